@@ -1,0 +1,275 @@
+"""Settings: one validated, cached configuration object per Celery app.
+
+Every setting is read from ``app.conf`` under its lowercase ``fenced_*`` name; Django
+projects that configure Celery with ``namespace="CELERY"`` write ``CELERY_FENCED_*``
+and Celery's own lookup finds them. A bad value raises :class:`ConfigurationError`
+naming the setting and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from celery import Celery
+
+from .exceptions import ConfigurationError
+
+__all__ = [
+    "DEFAULTS",
+    "ON_STALL_MODES",
+    "FencedConfig",
+    "TaskPolicy",
+    "ensure_conf",
+    "normalise_stage",
+]
+
+#: What the heartbeat does once a lease made no progress for ``fenced_stall_checks`` ticks.
+ON_STALL_MODES = ("release", "expire", "alert")
+
+#: Every setting with its default. Times are seconds.
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "fenced_key_prefix": "fenced",
+        "fenced_lease_ttl": 30.0,
+        "fenced_heartbeat_interval": 5.0,
+        "fenced_stage_timeouts": {},
+        "fenced_default_stage_timeout": 60.0,
+        "fenced_stall_checks": 2,
+        "fenced_on_stall": "release",
+        "fenced_max_takeovers": 3,
+        "fenced_max_task_duration": None,
+        "fenced_interrupt_on_loss": False,
+        "fenced_reaper_interval": 5.0,
+        "fenced_takeover_grace": 0.0,
+        "fenced_requeue_timeout": 60.0,
+    }
+)
+
+#: Options a task may override as class or decorator attributes, and the setting each shadows.
+TASK_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "lease_ttl": "fenced_lease_ttl",
+        "heartbeat_interval": "fenced_heartbeat_interval",
+        "stage_timeouts": "fenced_stage_timeouts",
+        "default_stage_timeout": "fenced_default_stage_timeout",
+        "stall_checks": "fenced_stall_checks",
+        "on_stall": "fenced_on_stall",
+        "max_takeovers": "fenced_max_takeovers",
+        "max_task_duration": "fenced_max_task_duration",
+        "interrupt_on_loss": "fenced_interrupt_on_loss",
+    }
+)
+
+
+def normalise_stage(stage: str) -> str:
+    """Return the canonical form of a stage name.
+
+    Stage names are case-insensitive and ``-`` equals ``_``:
+    ``"LOAD_DATA"``, ``"load-data"`` and ``"Load_Data"`` are one stage, ``"load-data"``.
+    """
+    if not isinstance(stage, str) or not stage.strip():
+        raise ValueError(f"a stage name must be a non-empty string, not {stage!r}")
+    return stage.strip().lower().replace("_", "-")
+
+
+def _positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _non_negative_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigurationError(f"{name} must be zero or more seconds, got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def _stage_table(name: str, value: Any) -> Mapping[str, float]:
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"{name} must be a mapping of stage names to seconds, got {value!r}")
+    table: dict[str, float] = {}
+    for stage, seconds in value.items():
+        try:
+            key = normalise_stage(stage)
+        except ValueError:
+            raise ConfigurationError(
+                f"{name} has a stage name that is not a non-empty string, got {stage!r}"
+            ) from None
+        checked = _positive_seconds(f"{name}[{stage!r}]", seconds)
+        assert checked is not None
+        table[key] = checked
+    return MappingProxyType(table)
+
+
+def _on_stall(name: str, value: Any) -> str:
+    if value not in ON_STALL_MODES:
+        raise ConfigurationError(f"{name} must be one of {', '.join(ON_STALL_MODES)}; got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """The lease options in force for one task type: the app's settings, then its overrides."""
+
+    lease_ttl: float
+    heartbeat_interval: float
+    stage_timeouts: Mapping[str, float]
+    default_stage_timeout: float
+    stall_checks: int
+    on_stall: str
+    max_takeovers: int
+    max_task_duration: float | None
+    interrupt_on_loss: bool
+
+    def stage_timeout(self, stage: str | None) -> float:
+        """Return ``maxNoProgress`` for a (normalised) stage: its table entry or the default."""
+        if stage is None:
+            return self.default_stage_timeout
+        return self.stage_timeouts.get(stage, self.default_stage_timeout)
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        """The lease length in whole milliseconds, as the scripts take it."""
+        return max(1, int(self.lease_ttl * 1000))
+
+
+@dataclass(frozen=True)
+class FencedConfig:
+    """All ``fenced_*`` settings of one app, validated. Build it with :func:`ensure_conf`."""
+
+    key_prefix: str
+    reaper_interval: float
+    takeover_grace: float
+    requeue_timeout: float
+    policy: TaskPolicy
+    raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> FencedConfig:
+        """Validate settings given by their ``fenced_*`` names (missing ones take defaults)."""
+        merged = {key: values.get(key, default) for key, default in DEFAULTS.items()}
+        prefix = merged["fenced_key_prefix"]
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} \n"):
+            raise ConfigurationError(
+                f"fenced_key_prefix must be a non-empty string without spaces or braces, got {prefix!r}"
+            )
+        policy = build_policy(merged, source=lambda option: TASK_OPTIONS[option])
+        reaper_interval = _positive_seconds("fenced_reaper_interval", merged["fenced_reaper_interval"])
+        requeue_timeout = _positive_seconds("fenced_requeue_timeout", merged["fenced_requeue_timeout"])
+        assert reaper_interval is not None and requeue_timeout is not None
+        return cls(
+            key_prefix=prefix,
+            reaper_interval=reaper_interval,
+            takeover_grace=_non_negative_seconds("fenced_takeover_grace", merged["fenced_takeover_grace"]),
+            requeue_timeout=requeue_timeout,
+            policy=policy,
+            raw=MappingProxyType(merged),
+        )
+
+    def policy_for(self, task: Any) -> TaskPolicy:
+        """Return the policy for a task: the app's, with the task's own attributes over it.
+
+        A task attribute left as ``None`` inherits the app's setting.
+        """
+        overrides = {
+            option: getattr(task, option)
+            for option in TASK_OPTIONS
+            if getattr(task, option, None) is not None
+        }
+        if not overrides:
+            return self.policy
+        name = getattr(task, "name", None) or type(task).__name__
+        merged = dict(self.raw)
+        for option, value in overrides.items():
+            merged[TASK_OPTIONS[option]] = value
+        return build_policy(merged, source=lambda option: f"{name}.{option}")
+
+
+def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
+    """Validate the lease options in ``values`` (keyed by setting name) into a policy.
+
+    ``source(option)`` names the setting in error messages.
+    """
+
+    def get(option: str) -> Any:
+        return values[TASK_OPTIONS[option]]
+
+    ttl = _positive_seconds(source("lease_ttl"), get("lease_ttl"))
+    interval = _positive_seconds(source("heartbeat_interval"), get("heartbeat_interval"))
+    assert ttl is not None and interval is not None
+    if interval >= ttl / 2:
+        raise ConfigurationError(
+            f"{source('heartbeat_interval')} must be less than half of "
+            f"{source('lease_ttl')} ({ttl:g} s), got {interval:g}: "
+            "a single late tick would let the lease expire"
+        )
+    default_timeout = _positive_seconds(source("default_stage_timeout"), get("default_stage_timeout"))
+    assert default_timeout is not None
+    interrupt = get("interrupt_on_loss")
+    if not isinstance(interrupt, bool):
+        raise ConfigurationError(f"{source('interrupt_on_loss')} must be True or False, got {interrupt!r}")
+    return TaskPolicy(
+        lease_ttl=ttl,
+        heartbeat_interval=interval,
+        stage_timeouts=_stage_table(source("stage_timeouts"), get("stage_timeouts")),
+        default_stage_timeout=default_timeout,
+        stall_checks=_positive_int(source("stall_checks"), get("stall_checks")),
+        on_stall=_on_stall(source("on_stall"), get("on_stall")),
+        max_takeovers=_positive_int(source("max_takeovers"), get("max_takeovers"), minimum=0),
+        max_task_duration=_positive_seconds(
+            source("max_task_duration"), get("max_task_duration"), allow_none=True
+        ),
+        interrupt_on_loss=interrupt,
+    )
+
+
+def read_settings(app: Celery) -> dict[str, Any]:
+    """Read every ``fenced_*`` setting of ``app`` (``CELERY_FENCED_*`` found too)."""
+    found: dict[str, Any] = {}
+    for key in DEFAULTS:
+        value = app.conf.get(key, _MISSING)
+        if value is _MISSING:
+            value = app.conf.get(key.upper(), _MISSING)
+        if value is not _MISSING:
+            found[key] = value
+    return found
+
+
+_MISSING = object()
+_CACHE_ATTR = "_celery_fenced_conf"
+
+
+def ensure_conf(app: Celery) -> FencedConfig:
+    """Return the app's validated :class:`FencedConfig`, built once and cached on the app."""
+    conf: FencedConfig | None = getattr(app, _CACHE_ATTR, None)
+    if conf is None:
+        conf = FencedConfig.from_mapping(read_settings(app))
+        setattr(app, _CACHE_ATTR, conf)
+    return conf
+
+
+def reset_conf(app: Celery) -> None:
+    """Forget the cached configuration (after changing ``app.conf`` in tests)."""
+    if hasattr(app, _CACHE_ATTR):
+        delattr(app, _CACHE_ATTR)
+
+
+def with_overrides(conf: FencedConfig, **changes: Any) -> FencedConfig:
+    """Return a copy of ``conf`` with some top-level fields changed (used by tests and tools)."""
+    return replace(conf, **changes)

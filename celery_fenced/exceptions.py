@@ -1,0 +1,94 @@
+"""Exceptions raised by celery-fenced.
+
+The tree::
+
+    FencedError
+    ├── ConfigurationError          (also celery.exceptions.ImproperlyConfigured)
+    ├── LeaseLostError              the owner no longer holds the lease: stop now
+    │   └── StaleOwnerError         a write carried a token older than the current one
+    ├── TaskAbandonedError          stored as the FAILURE of a task taken over too often
+    └── LeaseScriptError            a lease script answered something this version does not know
+
+``LeaseLostError`` is what a task body sees from ``self.progress()`` once the lease is gone;
+``StaleOwnerError`` is what the fenced write helpers raise for a writer whose token is old.
+"""
+
+from __future__ import annotations
+
+from celery.exceptions import ImproperlyConfigured
+
+__all__ = [
+    "ConfigurationError",
+    "FencedError",
+    "LeaseLostError",
+    "LeaseScriptError",
+    "StaleOwnerError",
+    "TaskAbandonedError",
+]
+
+
+class FencedError(Exception):
+    """Base class of every exception this package raises."""
+
+
+class ConfigurationError(FencedError, ImproperlyConfigured):
+    """A ``fenced_*`` setting or a per-task option has a value that cannot work.
+
+    The message names the setting and the value.
+    """
+
+
+class LeaseLostError(FencedError):
+    """The lease of the running attempt is gone: taken over, fenced, cancelled or stalled.
+
+    Attributes:
+        task_id: the task whose lease was lost.
+        token: the fencing token the lost owner held.
+        reason: a short word saying why (``"taken-over"``, ``"stalled"``, ``"expired"`` …).
+    """
+
+    def __init__(self, task_id: str | None = None, token: int | None = None, reason: str = "") -> None:
+        # args keep the constructor's arguments, so pickling and Celery's JSON
+        # exception round trip both rebuild the same exception.
+        super().__init__(task_id, token, reason)
+        self.task_id = task_id
+        self.token = token
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"lease of task {self.task_id} (token {self.token}) lost: {self.reason}"
+
+
+class StaleOwnerError(LeaseLostError):
+    """A write was refused because a newer fencing token has written since.
+
+    Attributes:
+        current_token: the newer token that is stored, when known.
+    """
+
+    def __init__(
+        self,
+        task_id: str | None = None,
+        token: int | None = None,
+        reason: str = "stale token",
+        current_token: int | None = None,
+    ) -> None:
+        super().__init__(task_id, token, reason)
+        self.args = (task_id, token, reason, current_token)
+        self.current_token = current_token
+
+    def __str__(self) -> str:
+        current = "" if self.current_token is None else f", current token {self.current_token}"
+        return f"stale owner of {self.task_id} refused (token {self.token}{current}): {self.reason}"
+
+
+class TaskAbandonedError(FencedError):
+    """The task was taken over ``max_takeovers`` times and is given up (a dead letter).
+
+    It is stored as the task's FAILURE, so ``AsyncResult.get()`` raises it instead of
+    waiting forever. ``celery fenced redrive TASK_ID`` puts the task back.
+    """
+
+
+class LeaseScriptError(FencedError):
+    """A lease script returned a code this version does not know."""

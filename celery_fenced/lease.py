@@ -1,0 +1,484 @@
+"""The shared lease state in Redis: the :class:`LeaseState` snapshot and the store.
+
+:class:`LeaseStore` runs the scripts of :mod:`celery_fenced.scripts`, one atomic script
+per change of ownership or status, and maps their return codes to named outcomes.
+Public methods check their arguments; the Redis work sits in the small private methods.
+Times in the shared state are milliseconds of the Redis server's clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .exceptions import LeaseScriptError
+from .keys import KeySpace
+from .scripts import ScriptSet
+
+__all__ = [
+    "AcquireOutcome",
+    "AcquireResult",
+    "ClaimResult",
+    "LeaseState",
+    "LeaseStatus",
+    "LeaseStore",
+    "RenewRequest",
+    "StoreResult",
+]
+
+
+class LeaseStatus(StrEnum):
+    """The statuses of a lease (see the state table in ``docs/design.rst``)."""
+
+    RUNNING = "RUNNING"
+    LAPSED = "LAPSED"
+    REQUEUED = "REQUEUED"
+    RETRYING = "RETRYING"
+    STALLED = "STALLED"
+    DONE = "DONE"
+    ABANDONED = "ABANDONED"
+
+
+class AcquireOutcome(StrEnum):
+    """What an acquire did."""
+
+    NEW = "new"
+    TAKEOVER = "takeover"
+    DUPLICATE = "duplicate"
+    DONE = "done"
+    ABANDONED = "abandoned"
+
+    @property
+    def runs(self) -> bool:
+        """True when the caller now owns the lease and runs the task body."""
+        return self in (AcquireOutcome.NEW, AcquireOutcome.TAKEOVER)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(fields: Mapping[str, str], name: str) -> int:
+    value = fields.get(name)
+    return int(value) if value not in (None, "") else 0
+
+
+def _opt_int(fields: Mapping[str, str], name: str) -> int | None:
+    value = fields.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """A read-only snapshot of one task's lease hash.
+
+    Times are milliseconds of the Redis server's clock; ``None`` where the field is unset.
+    """
+
+    task_id: str
+    status: str
+    owner_id: str
+    owner_token: int
+    current_stage: str
+    progress_version: int
+    heartbeat_at: int | None
+    last_progress_at: int | None
+    lease_expire_at: int | None
+    attempt: int
+    takeovers: int
+    task_name: str
+    requeued_at: int | None
+    stalled_at: int | None
+    max_takeovers: int
+    lease_ttl_ms: int
+    call: Mapping[str, Any] | None = field(repr=False, default=None)
+    raw: Mapping[str, str] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_fields(cls, task_id: str, fields: Mapping[str, str]) -> LeaseState:
+        """Build a snapshot from the hash's fields (already decoded to ``str``)."""
+        call_text = fields.get("call")
+        call: Mapping[str, Any] | None = None
+        if call_text:
+            try:
+                call = json.loads(call_text)
+            except ValueError:
+                call = None
+        return cls(
+            task_id=task_id,
+            status=fields.get("status", ""),
+            owner_id=fields.get("ownerId", ""),
+            owner_token=_int(fields, "ownerToken"),
+            current_stage=fields.get("currentStage", ""),
+            progress_version=_int(fields, "progressVersion"),
+            heartbeat_at=_opt_int(fields, "heartbeatAt"),
+            last_progress_at=_opt_int(fields, "lastProgressAt"),
+            lease_expire_at=_opt_int(fields, "leaseExpireAt"),
+            attempt=_int(fields, "attempt"),
+            takeovers=_int(fields, "takeovers"),
+            task_name=fields.get("taskName", ""),
+            requeued_at=_opt_int(fields, "requeuedAt"),
+            stalled_at=_opt_int(fields, "stalledAt"),
+            max_takeovers=_int(fields, "maxTakeovers"),
+            lease_ttl_ms=_int(fields, "leaseTtl"),
+            call=call,
+            raw=dict(fields),
+        )
+
+    @classmethod
+    def from_flat(cls, task_id: str, flat: Sequence[Any]) -> LeaseState:
+        """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
+        items = [_text(v) for v in flat]
+        return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
+
+    @property
+    def is_live(self) -> bool:
+        """True while an owner holds the lease (RUNNING or STALLED)."""
+        return self.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the task will not run again (DONE or ABANDONED)."""
+        return self.status in (LeaseStatus.DONE, LeaseStatus.ABANDONED)
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The answer of :meth:`LeaseStore.acquire`."""
+
+    outcome: AcquireOutcome
+    previous_status: str
+    state: LeaseState
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """One lease to renew in a batch (see :meth:`LeaseStore.renew_many`)."""
+
+    task_id: str
+    owner_id: str
+    token: int
+    ttl_ms: int
+    stage: str
+    progress_version: int
+    progress_age_ms: int
+    stalled: bool = False
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """The answer of :meth:`LeaseStore.store`: ``code`` is one of store.lua's codes."""
+
+    code: str
+    detail: str
+
+    @property
+    def stored(self) -> bool:
+        """True when the result was written."""
+        return self.code == "stored"
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One lease handled by :meth:`LeaseStore.claim_due`."""
+
+    task_id: str
+    code: str
+    cause: str
+    state: LeaseState | None
+
+
+_RENEW_CODES = frozenset(
+    {"ok", "stale-token", "not-owner", "claimed", "lapsed", "finished", "retrying", "missing"}
+)
+_SIMPLE_CODES = {
+    "lapse": frozenset({"ok", "stale-token", "not-owner", "not-running", "missing"}),
+    "release": frozenset({"ok", "stale-token", "not-owner", "finished", "missing"}),
+    "store": frozenset({"stored", "stale", "finished", "lapsed", "foreign", "sticky"}),
+    "claim": frozenset({"requeued", "abandoned", "not-due", "finished", "missing", "retry-later"}),
+    "cancel": frozenset({"cancelled", "finished", "retry-later"}),
+    "redrive": frozenset({"redriven", "not-abandoned", "missing"}),
+}
+
+
+def _checked(script: str, code: Any) -> str:
+    text = _text(code)
+    allowed = _RENEW_CODES if script == "renew" else _SIMPLE_CODES[script]
+    if text not in allowed:
+        raise LeaseScriptError(f"{script}.lua answered an unknown code {text!r}")
+    return text
+
+
+def _require_task_id(task_id: Any) -> str:
+    if not isinstance(task_id, str) or not task_id:
+        raise ValueError(f"task_id must be a non-empty string, got {task_id!r}")
+    return task_id
+
+
+def _require_token(token: Any) -> int:
+    if isinstance(token, bool) or not isinstance(token, int) or token <= 0:
+        raise ValueError(f"a fencing token must be a positive int, got {token!r}")
+    return token
+
+
+class LeaseStore:
+    """Runs the lease scripts against one Redis client.
+
+    Args:
+        client: a redis-py client (the result backend's own client).
+        keys: the key space (prefix and Celery's result-key prefix).
+    """
+
+    def __init__(self, client: Any, keys: KeySpace) -> None:
+        self.client = client
+        self.keys = keys
+        self.scripts = ScriptSet(client)
+
+    # -- owner side ---------------------------------------------------------------------
+
+    def acquire(
+        self,
+        task_id: str,
+        owner_id: str,
+        *,
+        ttl_ms: int,
+        task_name: str,
+        max_takeovers: int,
+        call: Mapping[str, Any] | None = None,
+        stage: str = "",
+    ) -> AcquireResult:
+        """Take the lease of ``task_id`` for one execution, following the status table."""
+        _require_task_id(task_id)
+        if not owner_id:
+            raise ValueError("owner_id must not be empty")
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
+        call_json = json.dumps(call, default=str, separators=(",", ":")) if call else ""
+        code, previous, flat = self._acquire(
+            task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage
+        )
+        outcome = AcquireOutcome(_checked_acquire(code))
+        return AcquireResult(outcome, _text(previous), LeaseState.from_flat(task_id, flat))
+
+    def _acquire(
+        self,
+        task_id: str,
+        owner_id: str,
+        ttl_ms: int,
+        task_name: str,
+        call_json: str,
+        max_takeovers: int,
+        stage: str,
+    ) -> list[Any]:
+        keys = [self.keys.lease(task_id), self.keys.token, self.keys.index]
+        args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage]
+        return list(self.scripts.acquire(keys=keys, args=args))
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[str]:
+        """Renew many leases of one process in one round trip; one code per request."""
+        if not requests:
+            return []
+        keys = [self.keys.index]
+        args: list[Any] = []
+        for req in requests:
+            _require_token(req.token)
+            keys.append(self.keys.lease(req.task_id))
+            args += [
+                req.owner_id,
+                req.token,
+                req.ttl_ms,
+                req.stage,
+                req.progress_version,
+                max(0, req.progress_age_ms),
+                "STALLED" if req.stalled else "RUNNING",
+            ]
+        codes = self.scripts.renew(keys=keys, args=args)
+        return [_checked("renew", code) for code in codes]
+
+    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str, reason: str) -> str:
+        """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out."""
+        if mode not in ("release", "expire"):
+            raise ValueError(f"mode must be 'release' or 'expire', got {mode!r}")
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        answer = self.scripts.lapse(keys=keys, args=[owner_id, _require_token(token), mode, reason])
+        return _checked("lapse", answer[0])
+
+    def release(
+        self,
+        task_id: str,
+        owner_id: str,
+        token: int,
+        *,
+        status: LeaseStatus,
+        due_in_ms: int = 0,
+        keep_ms: int = 0,
+    ) -> str:
+        """End an attempt without a READY result: DONE, RETRYING or REQUEUED."""
+        if status not in (LeaseStatus.DONE, LeaseStatus.RETRYING, LeaseStatus.REQUEUED):
+            raise ValueError(f"release takes DONE, RETRYING or REQUEUED, not {status!r}")
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        args: list[Any] = [owner_id, _require_token(token), status.value, max(0, due_in_ms), max(0, keep_ms)]
+        return _checked("release", self.scripts.release(keys=keys, args=args)[0])
+
+    def store(
+        self,
+        task_id: str,
+        token: int | None,
+        meta: bytes | str,
+        *,
+        state: str,
+        kind: str,
+        expires_ms: int,
+        retry_due_ms: int = 0,
+        writer_host: str = "",
+        worker_lost: bool = False,
+    ) -> StoreResult:
+        """Write a result through the fence (see store.lua for every outcome)."""
+        if kind not in ("ready", "retry", "other"):
+            raise ValueError(f"kind must be 'ready', 'retry' or 'other', got {kind!r}")
+        keys = [
+            self.keys.lease(_require_task_id(task_id)),
+            self.keys.result(task_id),
+            self.keys.index,
+        ]
+        args = [
+            "" if token is None else _require_token(token),
+            meta,
+            state,
+            kind,
+            max(0, expires_ms),
+            max(0, retry_due_ms),
+            writer_host,
+            "1" if worker_lost else "0",
+        ]
+        code, detail = self.scripts.store(keys=keys, args=args)
+        return StoreResult(_checked("store", code), _text(detail))
+
+    # -- reaper side --------------------------------------------------------------------
+
+    def due_task_ids(self, limit: int, *, now_ms: int | None = None) -> list[str]:
+        """Task ids whose index entry is due (a hint: :meth:`claim_due` re-validates)."""
+        if limit <= 0:
+            return []
+        upper = now_ms if now_ms is not None else self.server_time_ms()
+        members = self.client.zrangebyscore(self.keys.index, "-inf", upper, start=0, num=limit)
+        ids = []
+        for member in members:
+            try:
+                ids.append(self.keys.task_id_of(member))
+            except ValueError:
+                self.client.zrem(self.keys.index, member)
+        return ids
+
+    def reserve_tokens(self, count: int) -> int:
+        """Reserve ``count`` fresh tokens; returns the first (they run up from it)."""
+        if count <= 0:
+            raise ValueError(f"count must be positive, got {count!r}")
+        last = int(self.client.incrby(self.keys.token, count))
+        return last - count + 1
+
+    def claim_due(
+        self,
+        task_ids: Sequence[str],
+        *,
+        grace_ms: int,
+        requeue_ms: int,
+        abandoned_meta: Any,
+        expires_ms: int,
+    ) -> list[ClaimResult]:
+        """Claim each given lease that is due, in one pipelined round trip.
+
+        ``abandoned_meta(task_id, token)`` returns the encoded FAILURE meta stored for a task
+        whose takeovers are exhausted; one fresh token is reserved per task for that case.
+        """
+        if not task_ids:
+            return []
+        first = self.reserve_tokens(len(task_ids))
+        pipe = self.client.pipeline(transaction=False)
+        for offset, task_id in enumerate(task_ids):
+            token = first + offset
+            keys = [self.keys.lease(task_id), self.keys.result(task_id), self.keys.index]
+            args = [grace_ms, requeue_ms, token, abandoned_meta(task_id, token), max(0, expires_ms)]
+            self.scripts.claim(keys=keys, args=args, client=pipe)
+        answers = pipe.execute()
+        results = []
+        for task_id, (code, cause, flat) in zip(task_ids, answers, strict=True):
+            checked = _checked("claim", code)
+            state = LeaseState.from_flat(task_id, flat) if flat else None
+            results.append(ClaimResult(task_id, checked, _text(cause), state))
+        return results
+
+    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int) -> str:
+        """End a task for good; ``revoked_meta(token)`` encodes its REVOKED meta."""
+        keys = [
+            self.keys.lease(_require_task_id(task_id)),
+            self.keys.result(task_id),
+            self.keys.index,
+        ]
+        token = self.reserve_tokens(1)
+        answer = self.scripts.cancel(keys=keys, args=[token, revoked_meta(token), max(0, expires_ms)])
+        return _checked("cancel", answer[0])
+
+    def redrive(self, task_id: str) -> str:
+        """Put an ABANDONED task back for a fresh set of takeovers."""
+        keys = [
+            self.keys.lease(_require_task_id(task_id)),
+            self.keys.result(task_id),
+            self.keys.index,
+        ]
+        return _checked("redrive", self.scripts.redrive(keys=keys, args=[])[0])
+
+    # -- reads --------------------------------------------------------------------------
+
+    def read(self, task_id: str) -> LeaseState | None:
+        """Return the lease of ``task_id``, or ``None`` when it has none."""
+        fields = self.client.hgetall(self.keys.lease(_require_task_id(task_id)))
+        if not fields:
+            return None
+        return LeaseState.from_fields(task_id, {_text(k): _text(v) for k, v in fields.items()})
+
+    def read_many(self, task_ids: Iterable[str]) -> list[LeaseState]:
+        """Return the leases of many task ids in one round trip (missing ones left out)."""
+        ids = list(task_ids)
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in ids:
+            pipe.hgetall(self.keys.lease(task_id))
+        states = []
+        for task_id, fields in zip(ids, pipe.execute(), strict=True):
+            if fields:
+                decoded = {_text(k): _text(v) for k, v in fields.items()}
+                states.append(LeaseState.from_fields(task_id, decoded))
+        return states
+
+    def indexed_task_ids(self, limit: int = 1000) -> list[str]:
+        """Task ids in the expiry index, soonest due first (live, lapsed and requeued ones)."""
+        members = self.client.zrange(self.keys.index, 0, max(0, limit - 1))
+        ids = []
+        for member in members:
+            try:
+                ids.append(self.keys.task_id_of(member))
+            except ValueError:
+                continue
+        return ids
+
+    def owner_token(self, task_id: str) -> tuple[str, int] | None:
+        """Return ``(status, ownerToken)`` of a lease in one read, or ``None`` without one."""
+        status, token = self.client.hmget(self.keys.lease(_require_task_id(task_id)), "status", "ownerToken")
+        if status is None:
+            return None
+        return _text(status), int(token or 0)
+
+    def server_time_ms(self) -> int:
+        """The Redis server's clock in milliseconds."""
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _checked_acquire(code: Any) -> str:
+    text = _text(code)
+    if text not in {o.value for o in AcquireOutcome}:
+        raise LeaseScriptError(f"acquire.lua answered an unknown code {text!r}")
+    return text

@@ -1,0 +1,64 @@
+-- acquire.lua: take the lease of a task for one execution (an "attempt").
+--
+-- KEYS[1]  lease hash        <prefix>:lease:{<result key>}
+-- KEYS[2]  token counter     <prefix>:token (global, never expires)
+-- KEYS[3]  expiry index      <prefix>:leases (sorted set, a hint for the reaper)
+-- ARGV[1]  ownerId           "<hostname>/<pid>/<attempt id>", unique per execution
+-- ARGV[2]  lease ttl, ms
+-- ARGV[3]  taskName
+-- ARGV[4]  the original call (JSON of signature_from_request()), may be ""
+-- ARGV[5]  maxTakeovers for this task
+-- ARGV[6]  initial stage, may be ""
+--
+-- Returns {code, previous status or "", lease fields as a flat list}:
+--   "new"        no lease existed: token taken, attempt 1
+--   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired: new token, attempt + 1
+--   "duplicate"  a live owner holds it (RUNNING or STALLED, not expired): do not run
+--   "done"       a result was stored, or the owner ended the task: do not run
+--   "abandoned"  taken over too often: do not run
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+
+local status = redis.call('HGET', KEYS[1], 'status')
+local code = 'new'
+if status then
+  if status == 'DONE' then
+    return {'done', status, redis.call('HGETALL', KEYS[1])}
+  elseif status == 'ABANDONED' then
+    return {'abandoned', status, redis.call('HGETALL', KEYS[1])}
+  elseif status == 'RUNNING' or status == 'STALLED' then
+    local expire_at = tonumber(redis.call('HGET', KEYS[1], 'leaseExpireAt') or '0')
+    if expire_at > now then
+      return {'duplicate', status, redis.call('HGETALL', KEYS[1])}
+    end
+  end
+  code = 'takeover'
+else
+  status = ''
+end
+
+local token = redis.call('INCR', KEYS[2])
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSETNX', KEYS[1], 'takeovers', 0)
+redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt')
+redis.call('HSET', KEYS[1],
+  'status', 'RUNNING',
+  'ownerId', ARGV[1],
+  'ownerToken', token,
+  'currentStage', ARGV[6],
+  'progressVersion', 0,
+  'heartbeatAt', now,
+  'lastProgressAt', now,
+  'leaseExpireAt', now + ttl,
+  'startedAt', now,
+  'leaseTtl', ttl,
+  'taskName', ARGV[3],
+  'maxTakeovers', ARGV[5])
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'call', ARGV[4])
+end
+redis.call('PERSIST', KEYS[1])
+redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
+return {code, status, redis.call('HGETALL', KEYS[1])}

@@ -1,0 +1,40 @@
+-- cancel.lua: end a task for good with a fenced REVOKED result.
+--
+-- The cancel takes a fresh token, so every owner's later write is stale and its next
+-- progress() (or renewal) learns that the lease is gone. A task not started yet gets a
+-- DONE lease, so no later delivery runs it.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  Celery's result key
+-- KEYS[3]  expiry index
+-- ARGV[1]  a fresh token reserved for the cancel
+-- ARGV[2]  encoded REVOKED meta carrying that token as fence_token
+-- ARGV[3]  result expiry, ms (0: none)
+--
+-- Returns {code, previous status}: "cancelled" | "finished" (already DONE or ABANDONED) |
+--   "retry-later" (the reserved token is not newer than the lease's)
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken')
+local status = cur[1] or ''
+if status == 'DONE' or status == 'ABANDONED' then
+  return {'finished', status}
+end
+if tonumber(ARGV[1]) <= tonumber(cur[2] or '0') then
+  return {'retry-later', status}
+end
+local expires = tonumber(ARGV[3])
+if expires > 0 then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', expires)
+else
+  redis.call('SET', KEYS[2], ARGV[2])
+end
+redis.call('PUBLISH', KEYS[2], ARGV[2])
+redis.call('ZREM', KEYS[3], KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'DONE', 'ownerToken', ARGV[1], 'leaseExpireAt', now,
+  'finishedAt', now, 'resultState', 'REVOKED', 'cancelledAt', now)
+if expires > 0 then
+  redis.call('PEXPIRE', KEYS[1], expires)
+end
+return {'cancelled', status}

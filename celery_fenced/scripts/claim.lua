@@ -1,0 +1,93 @@
+-- claim.lua: the reaper claims one lease that is due, atomically.
+--
+-- The expiry index is only a hint: this script re-validates the lease itself, so a stale
+-- or missing-lease index entry is harmless and several reapers may run at once (only one
+-- of them gets "requeued" for a given expiry).
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  Celery's result key
+-- KEYS[3]  expiry index
+-- ARGV[1]  takeover grace, ms (added to the expiry of RUNNING, STALLED and LAPSED leases)
+-- ARGV[2]  requeue timeout, ms (a REQUEUED task not acquired by then is due again)
+-- ARGV[3]  a fresh token reserved for this claim, used only if the task is abandoned
+-- ARGV[4]  encoded FAILURE meta (TaskAbandonedError) carrying that token as fence_token
+-- ARGV[5]  result expiry, ms (0: none)
+--
+-- Returns {code, cause, lease fields as a flat list}:
+--   "requeued"   claimed: the caller re-sends the original call (cause: "stalled", "gone",
+--                "resend" for a re-send after the requeue timeout, "retry" for a lost retry,
+--                "redrive" for an abandoned task put back by an operator)
+--   "abandoned"  takeovers exhausted: FAILURE stored, lease ABANDONED
+--   "not-due"    live or not yet due: the index entry was moved to the real due time
+--   "finished"   DONE or ABANDONED already: the index entry was removed
+--   "missing"    no lease: the index entry was removed
+--   "retry-later" the reserved token is not newer than the lease's: try on the next pass
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then
+  redis.call('ZREM', KEYS[3], KEYS[1])
+  return {'missing', '', {}}
+end
+if status == 'DONE' or status == 'ABANDONED' then
+  redis.call('ZREM', KEYS[3], KEYS[1])
+  return {'finished', status, {}}
+end
+local f = redis.call('HMGET', KEYS[1], 'leaseExpireAt', 'ownerToken', 'takeovers',
+  'maxTakeovers', 'stalledAt', 'lapseReason')
+local due = tonumber(f[1] or '0')
+if status == 'RUNNING' or status == 'STALLED' or status == 'LAPSED' then
+  due = due + tonumber(ARGV[1])
+end
+if due > now then
+  redis.call('ZADD', KEYS[3], due, KEYS[1])
+  return {'not-due', status, {}}
+end
+
+local cause
+if status == 'LAPSED' then
+  if f[6] == 'worker-lost' then
+    cause = 'gone'
+  elseif f[6] == 'redrive' then
+    cause = 'redrive'
+  else
+    cause = 'stalled'
+  end
+elseif status == 'REQUEUED' then
+  cause = 'resend'
+elseif status == 'RETRYING' then
+  cause = 'retry'
+elseif f[5] and status == 'RUNNING' then
+  cause = 'stalled'
+else
+  cause = 'gone'
+end
+
+local takeovers = tonumber(f[3] or '0') + 1
+local max_takeovers = tonumber(f[4] or '0')
+if takeovers > max_takeovers then
+  local token = tonumber(ARGV[3])
+  if token <= tonumber(f[2] or '0') then
+    return {'retry-later', cause, {}}
+  end
+  local meta = ARGV[4]
+  local expires = tonumber(ARGV[5])
+  if expires > 0 then
+    redis.call('SET', KEYS[2], meta, 'PX', expires)
+    redis.call('PEXPIRE', KEYS[1], expires)
+  else
+    redis.call('SET', KEYS[2], meta)
+  end
+  redis.call('PUBLISH', KEYS[2], meta)
+  redis.call('ZREM', KEYS[3], KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'ABANDONED', 'ownerToken', token, 'ownerId', '',
+    'leaseExpireAt', now, 'finishedAt', now, 'abandonCause', cause)
+  return {'abandoned', cause, redis.call('HGETALL', KEYS[1])}
+end
+
+local next_due = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[3], next_due, KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'REQUEUED', 'takeovers', takeovers, 'requeuedAt', now,
+  'leaseExpireAt', next_due, 'claimCause', cause)
+return {'requeued', cause, redis.call('HGETALL', KEYS[1])}

@@ -1,0 +1,34 @@
+-- lapse.lua: the owner reports that its task stopped making progress.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  expiry index
+-- ARGV[1]  ownerId
+-- ARGV[2]  ownerToken
+-- ARGV[3]  mode: "release" (give the lease up now: LAPSED, due for takeover at once) or
+--          "expire" (keep RUNNING but record the stall: the TTL runs out by itself, and the
+--          takeover is then counted as cause "stalled", not "gone")
+-- ARGV[4]  reason written to lapseReason (e.g. "stalled", "max-duration")
+--
+-- Returns {code}: "ok" | "stale-token" | "not-owner" | "not-running" | "missing"
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
+if not cur[1] then
+  return {'missing'}
+elseif cur[2] ~= ARGV[2] then
+  return {'stale-token'}
+elseif cur[3] ~= ARGV[1] then
+  return {'not-owner'}
+elseif cur[1] ~= 'RUNNING' and cur[1] ~= 'STALLED' then
+  return {'not-running'}
+end
+if ARGV[3] == 'release' then
+  redis.call('ZADD', KEYS[2], now, KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
+    'lapseReason', ARGV[4])
+end
+if not redis.call('HGET', KEYS[1], 'stalledAt') then
+  redis.call('HSET', KEYS[1], 'stalledAt', now)
+end
+return {'ok'}

@@ -1,0 +1,26 @@
+-- redrive.lua: put an ABANDONED task back for a fresh set of takeovers.
+--
+-- The abandoned FAILURE is removed (clients see PENDING again) and the lease becomes
+-- LAPSED and due now, so the next reaper pass re-sends the original call.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  Celery's result key
+-- KEYS[3]  expiry index
+--
+-- Returns {code, previous status}: "redriven" | "not-abandoned" | "missing"
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then
+  return {'missing', ''}
+end
+if status ~= 'ABANDONED' then
+  return {'not-abandoned', status}
+end
+redis.call('DEL', KEYS[2])
+redis.call('PERSIST', KEYS[1])
+redis.call('ZADD', KEYS[3], now, KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'takeovers', 0, 'leaseExpireAt', now,
+  'lapsedAt', now, 'lapseReason', 'redrive')
+return {'redriven', status}

@@ -1,0 +1,46 @@
+-- release.lua: the owner ends its attempt without storing a READY result.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  expiry index
+-- ARGV[1]  ownerId
+-- ARGV[2]  ownerToken
+-- ARGV[3]  new status:
+--            "DONE"      the task ended without a result (Ignore, ignore_result, Reject
+--                        without requeue); the lease expires after ARGV[5] ms (0: never)
+--            "RETRYING"  a retry message is due; the reaper looks again after ARGV[4] ms
+--            "REQUEUED"  the message went back to the broker (Reject requeue=True);
+--                        the reaper re-sends it if nobody acquires it within ARGV[4] ms
+-- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED)
+-- ARGV[5]  ms the lease hash lives once DONE (the result expiry; 0 = no expiry)
+--
+-- Returns {code}: "ok" | "stale-token" | "not-owner" | "finished" | "missing"
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
+if not cur[1] then
+  return {'missing'}
+elseif cur[2] ~= ARGV[2] then
+  return {'stale-token'}
+elseif cur[3] ~= ARGV[1] then
+  return {'not-owner'}
+elseif cur[1] == 'DONE' or cur[1] == 'ABANDONED' then
+  return {'finished'}
+end
+local target = ARGV[3]
+if target == 'DONE' then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now)
+  local keep = tonumber(ARGV[5])
+  if keep > 0 then
+    redis.call('PEXPIRE', KEYS[1], keep)
+  end
+else
+  local due = now + tonumber(ARGV[4])
+  redis.call('ZADD', KEYS[2], due, KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', target, 'leaseExpireAt', due)
+  if target == 'REQUEUED' then
+    redis.call('HSET', KEYS[1], 'requeuedAt', now)
+  end
+end
+return {'ok'}

@@ -1,0 +1,63 @@
+-- renew.lua: renew every lease one worker process holds, in one call.
+--
+-- KEYS[1]      expiry index <prefix>:leases
+-- KEYS[2..n]   lease hashes, one per lease renewed
+-- ARGV is 7 values per lease, in the order of KEYS[2..n]:
+--   ownerId, ownerToken, ttl ms, stage ("" = unchanged), progressVersion,
+--   progress age ms (how long ago, by the owner's monotonic clock, that version was made),
+--   status to keep ("RUNNING", or "STALLED" while an alert-mode task is stalled)
+--
+-- A renewal is accepted when owner, token and status (RUNNING or STALLED) match, even if
+-- the expiry has just passed, as long as no claim took the lease: one Redis blip must not
+-- become mass takeovers. progressVersion never moves back; lastProgressAt is server TIME
+-- minus the reported age, so the owner's wall clock never matters.
+--
+-- Returns one code per lease:
+--   "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED/ABANDONED) |
+--   "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local codes = {}
+for i = 2, #KEYS do
+  local base = (i - 2) * 7
+  local owner, token, ttl = ARGV[base + 1], ARGV[base + 2], tonumber(ARGV[base + 3])
+  local stage, version, age = ARGV[base + 4], tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
+  local keep = ARGV[base + 7]
+  local lease = KEYS[i]
+  local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion')
+  local status = cur[1]
+  local code
+  if not status then
+    code = 'missing'
+  elseif cur[2] ~= token then
+    code = 'stale-token'
+  elseif cur[3] ~= owner then
+    code = 'not-owner'
+  elseif status == 'RUNNING' or status == 'STALLED' then
+    code = 'ok'
+    redis.call('ZADD', KEYS[1], now + ttl, lease)
+    redis.call('HSET', lease, 'heartbeatAt', now, 'leaseExpireAt', now + ttl, 'status', keep)
+    if keep == 'RUNNING' then
+      redis.call('HDEL', lease, 'stalledAt')
+    elseif not redis.call('HGET', lease, 'stalledAt') then
+      redis.call('HSET', lease, 'stalledAt', now)
+    end
+    if version > tonumber(cur[4] or '0') then
+      redis.call('HSET', lease, 'progressVersion', version, 'lastProgressAt', now - age)
+      if stage ~= '' then
+        redis.call('HSET', lease, 'currentStage', stage)
+      end
+    end
+  elseif status == 'REQUEUED' or status == 'ABANDONED' then
+    code = 'claimed'
+  elseif status == 'LAPSED' then
+    code = 'lapsed'
+  elseif status == 'RETRYING' then
+    code = 'retrying'
+  else
+    code = 'finished'
+  end
+  codes[#codes + 1] = code
+end
+return codes

@@ -1,0 +1,103 @@
+-- store.lua: write a task's result only if the writer's fencing token is current.
+--
+-- It does what Celery's Redis backend does for a write (SET with the result expiry, then
+-- PUBLISH on the result key, which wakes AsyncResult.get()), and moves the lease in the
+-- same atomic step: a READY state ends it (DONE), RETRY makes it RETRYING.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  Celery's result key
+-- KEYS[3]  expiry index
+-- ARGV[1]  writer's token; "" for a tokenless write from the worker's main process
+-- ARGV[2]  encoded result meta (already carrying fence_token)
+-- ARGV[3]  state (SUCCESS, FAILURE, REVOKED, RETRY, STARTED or a custom state)
+-- ARGV[4]  kind: "ready" (READY_STATES), "retry", or "other"
+-- ARGV[5]  result expiry, ms (0: none); a DONE lease lives exactly as long
+-- ARGV[6]  RETRYING: ms until the reaper may re-send (retry eta + requeue timeout)
+-- ARGV[7]  tokenless writes: the writer's hostname
+-- ARGV[8]  tokenless writes: "1" when the write is a WorkerLostError
+--
+-- Returns {code, detail}:
+--   "stored"    written (detail: the lease status after, "" without a lease)
+--   "stale"     refused: a newer token owns the task (detail: the current token)
+--   "finished"  refused: the lease already ended (DONE or ABANDONED)
+--   "lapsed"    a tokenless WorkerLostError of the current owner: nothing written, the
+--               lease is LAPSED so the reaper takes the task over at once
+--   "foreign"   refused: a tokenless write from a host that no longer owns the task
+--   "sticky"    refused: no lease and a SUCCESS is already stored (Celery's own rule)
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local expires = tonumber(ARGV[5])
+
+local function write_result()
+  if expires > 0 then
+    redis.call('SET', KEYS[2], meta, 'PX', expires)
+  else
+    redis.call('SET', KEYS[2], meta)
+  end
+  redis.call('PUBLISH', KEYS[2], meta)
+end
+
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
+local status = cur[1]
+
+if not status then
+  -- No lease: a plain task, or a fenced one whose lease is gone. Keep Celery's rule
+  -- that a stored SUCCESS is final, but check it atomically.
+  local old = redis.call('GET', KEYS[2])
+  if old then
+    local ok, decoded = pcall(cjson.decode, old)
+    if ok and type(decoded) == 'table' and decoded['status'] == 'SUCCESS' then
+      return {'sticky', ''}
+    end
+  end
+  write_result()
+  return {'stored', ''}
+end
+
+if token ~= '' then
+  if cur[2] ~= token then
+    return {'stale', cur[2] or ''}
+  end
+else
+  if status == 'DONE' or status == 'ABANDONED' then
+    return {'finished', status}
+  end
+  local host = ARGV[7]
+  local owner = cur[3] or ''
+  local same_host = host ~= '' and string.sub(owner, 1, #host + 1) == host .. '/'
+  if ARGV[8] == '1' then
+    if same_host and (status == 'RUNNING' or status == 'STALLED') then
+      redis.call('ZADD', KEYS[3], now, KEYS[1])
+      redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
+        'lapseReason', 'worker-lost')
+      return {'lapsed', status}
+    end
+    return {'foreign', status}
+  end
+  if state ~= 'REVOKED' and not same_host then
+    return {'foreign', status}
+  end
+end
+
+if status == 'DONE' or status == 'ABANDONED' then
+  return {'finished', status}
+end
+
+write_result()
+if kind == 'ready' then
+  redis.call('ZREM', KEYS[3], KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now,
+    'resultState', state)
+  if expires > 0 then
+    redis.call('PEXPIRE', KEYS[1], expires)
+  end
+  return {'stored', 'DONE'}
+elseif kind == 'retry' then
+  local due = now + tonumber(ARGV[6])
+  redis.call('ZADD', KEYS[3], due, KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
+  return {'stored', 'RETRYING'}
+end
+return {'stored', status}

@@ -1,15 +1,26 @@
-"""celery-fenced: progress-aware leases, fencing tokens and a fenced result backend for Celery."""
+"""celery-fenced: progress-aware leases, fencing tokens and a fenced result backend for Celery.
+
+Opt in per task with ``base=ProgressLeasedTask`` and ``result_backend = "fenced+redis://…"``;
+put the reaper on beat's schedule with ``install(app)``.
+"""
 
 from __future__ import annotations
 
+from .backend import FencedRedisBackend
 from .exceptions import LeaseLostError, StaleOwnerError, TaskAbandonedError
 from .lease import LeaseState
+from .reaper import install, reap
+from .task import ProgressLeasedTask
 
 __all__ = [
+    "FencedRedisBackend",
     "LeaseLostError",
     "LeaseState",
+    "ProgressLeasedTask",
     "StaleOwnerError",
     "TaskAbandonedError",
+    "install",
+    "reap",
 ]
 
 __version__ = "0.1.0"

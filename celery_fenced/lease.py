@@ -8,11 +8,12 @@ Times in the shared state are milliseconds of the Redis server's clock.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from kombu.utils import json
 
 from .exceptions import LeaseScriptError
 from .keys import KeySpace
@@ -256,7 +257,7 @@ class LeaseStore:
             raise ValueError("owner_id must not be empty")
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
-        call_json = json.dumps(call, default=str, separators=(",", ":")) if call else ""
+        call_json = json.dumps(call) if call else ""
         code, previous, flat = self._acquire(
             task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage
         )

@@ -1,0 +1,266 @@
+"""The per-process heartbeat: one daemon thread renews every lease the process holds.
+
+Each tick it checks, for each lease, that the body made progress within the deadline of its
+current stage; inside it, the lease is renewed (all leases of the process in one round
+trip); past it for ``stall_checks`` ticks in a row, ``on_stall`` applies. A Redis error in a
+tick is logged and retried on the next one; it never kills the thread. If renewals keep
+failing until the lease may have expired, the body is told (the lease is marked lost).
+
+The thread holds only weak references to the leases it serves and loops on
+``Event.wait(interval)``, so stopping it is immediate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from .lease import LeaseStore, RenewRequest
+from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
+
+__all__ = ["Heartbeat", "HeartbeatHooks"]
+
+logger = logging.getLogger("celery_fenced.heartbeat")
+
+#: Why a renewal was refused, in words for the log and for LeaseLostError.
+REFUSALS = {
+    "stale-token": "taken over: a newer token owns the task",
+    "not-owner": "taken over: another owner holds the lease",
+    "claimed": "claimed by the reaper",
+    "lapsed": "given up",
+    "finished": "the task was ended (result stored or cancelled)",
+    "retrying": "the task is retrying",
+    "missing": "the lease is gone from Redis",
+}
+
+
+class HeartbeatHooks(Protocol):
+    """What the heartbeat tells the rest of the package (see :mod:`celery_fenced.worker`)."""
+
+    def lost(self, lease: OwnedLease, reason: str) -> None:
+        """The lease is lost: tell the body (and interrupt it where configured)."""
+
+    def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
+        """The lease made no progress for ``stall_checks`` ticks; ``on_stall`` is being applied."""
+
+    def released(self, lease: OwnedLease) -> None:
+        """A stalled lease was given up (``on_stall="release"``): ask for a reap now."""
+
+    def duration_exceeded(self, lease: OwnedLease) -> None:
+        """The attempt ran past ``max_task_duration``: end it (FAILURE stored)."""
+
+    def renewed(self, leases: list[OwnedLease]) -> None:
+        """These leases were renewed (stage changes are published from here)."""
+
+
+class Heartbeat:
+    """The heartbeat thread of one process.
+
+    Args:
+        store_factory: returns the :class:`LeaseStore` to use (called in the thread).
+        hooks: receives stalls, losses and renewals.
+        default_interval: the tick period when no lease asks for a shorter one.
+        clock: the monotonic clock (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        store_factory: Callable[[], LeaseStore],
+        hooks: HeartbeatHooks,
+        default_interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store_factory = store_factory
+        self._hooks = hooks
+        self._default_interval = default_interval
+        self._clock = clock
+        self._leases: weakref.WeakValueDictionary[str, OwnedLease] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store: LeaseStore | None = None
+        self.ticks = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-fenced-heartbeat", daemon=True)
+            self._thread.start()
+        logger.debug("heartbeat started")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and join it."""
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        logger.debug("heartbeat stopped")
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def register(self, lease: OwnedLease) -> None:
+        """Serve a new lease (starts the thread if needed)."""
+        self._leases[lease.owner_id] = lease
+        self.start()
+
+    def unregister(self, lease: OwnedLease) -> None:
+        """Stop serving a lease."""
+        self._leases.pop(lease.owner_id, None)
+
+    def leases(self) -> list[OwnedLease]:
+        """The leases served now."""
+        return list(self._leases.values())
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _interval(self) -> float:
+        intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
+        return min(intervals, default=self._default_interval)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the thread must never die silently
+                logger.exception("heartbeat tick failed; retrying on the next tick")
+            self._wake.wait(self._interval())
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One pass over every lease served: check progress, renew or apply ``on_stall``."""
+        self.ticks += 1
+        now = self._clock()
+        batch: list[tuple[OwnedLease, bool]] = []
+        for lease in self.leases():
+            if lease.ended or lease.lost_reason is not None:
+                self.unregister(lease)
+                continue
+            limit = lease.policy.max_task_duration
+            if limit is not None and now - lease.started > limit:
+                self._hooks.duration_exceeded(lease)
+                continue
+            renew, stalled = self._check_progress(lease, now)
+            if renew:
+                batch.append((lease, stalled))
+        if batch:
+            self._renew(batch)
+
+    def _check_progress(self, lease: OwnedLease, now: float) -> tuple[bool, bool]:
+        """Return ``(renew, stalled)`` for one lease, applying ``on_stall`` when due."""
+        allowed, elapsed, bound = lease.no_progress_deadline(now)
+        if elapsed <= allowed:
+            lease.stall_checks_failed = 0
+            lease.stalled_reported = False
+            return True, False
+        lease.stall_checks_failed += 1
+        policy = lease.policy
+        if lease.stall_checks_failed < policy.stall_checks:
+            return True, False
+        if not lease.stalled_reported:
+            logger.warning(
+                "lease stalled: task %s[%s] stage=%s token=%s: no progress for %.1fs (%s %.1fs), on_stall=%s",
+                lease.task_name,
+                lease.task_id,
+                lease.stage,
+                lease.token,
+                elapsed,
+                bound,
+                allowed,
+                policy.on_stall,
+            )
+            self._hooks.stalled(lease, bound, allowed, elapsed)
+        if policy.on_stall == "alert":
+            lease.stalled_reported = True
+            return True, True
+        if policy.on_stall == "expire":
+            if not lease.stalled_reported and self._lapse(lease, "expire", bound):
+                lease.stalled_reported = True
+            return False, True
+        if self._lapse(lease, "release", bound):
+            lease.stalled_reported = True
+            if self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s)"):
+                self._hooks.released(lease)
+        return False, True
+
+    def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
+        try:
+            code = self._get_store().lapse(
+                lease.task_id, lease.owner_id, lease.token, mode=mode, reason="stalled"
+            )
+        except RedisError as exc:
+            logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
+            return False
+        if code != "ok":
+            self._lose(lease, REFUSALS.get(code, code))
+        return True
+
+    def _renew(self, batch: list[tuple[OwnedLease, bool]]) -> None:
+        sent = self._clock()
+        requests = [
+            RenewRequest(
+                task_id=lease.task_id,
+                owner_id=lease.owner_id,
+                token=lease.token,
+                ttl_ms=lease.policy.lease_ttl_ms,
+                stage=lease.stage or "",
+                progress_version=lease.version,
+                progress_age_ms=int((sent - lease.last_progress) * 1000),
+                stalled=stalled,
+            )
+            for lease, stalled in batch
+        ]
+        try:
+            codes = self._get_store().renew_many(requests)
+        except RedisError as exc:
+            logger.warning("lease renewal failed (%r); retrying on the next tick", exc)
+            self._store = None
+            for lease, _ in batch:
+                if sent - lease.renewed > lease.policy.lease_ttl * (1 - LOCAL_EXPIRY_MARGIN):
+                    self._lose(lease, "expired: no renewal within the lease ttl")
+            return
+        renewed = []
+        for (lease, _), code in zip(batch, codes, strict=True):
+            if code == "ok":
+                lease.renewed = sent
+                renewed.append(lease)
+            else:
+                self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
+        if renewed:
+            self._hooks.renewed(renewed)
+
+    def _lose(self, lease: OwnedLease, reason: str) -> bool:
+        """Mark a lease lost, log it once and tell the hooks; True the first time."""
+        self.unregister(lease)
+        if not lease.mark_lost(reason):
+            return False
+        logger.warning(
+            "lease lost: task %s[%s] stage=%s token=%s: %s",
+            lease.task_name,
+            lease.task_id,
+            lease.stage,
+            lease.token,
+            reason,
+        )
+        self._hooks.lost(lease, reason)
+        return True
+
+    def _get_store(self) -> LeaseStore:
+        if self._store is None:
+            self._store = self._store_factory()
+        return self._store

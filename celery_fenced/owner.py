@@ -1,0 +1,158 @@
+"""The owner's own, in-memory view of a lease it holds: :class:`OwnedLease`.
+
+The task body writes progress here (no network round trip: :meth:`OwnedLease.progress` is
+on the hot path); the heartbeat reads it each tick, publishes it with the renewal, and
+marks it lost when the shared state says so. All clocks here are the process's monotonic
+clock: the wall clock never decides anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .conf import TaskPolicy, normalise_stage
+from .exceptions import LeaseLostError
+
+__all__ = ["OwnedLease", "StageDeadline", "check_details"]
+
+#: Fraction of the TTL kept as a safety margin by the owner's local expiry check.
+LOCAL_EXPIRY_MARGIN = 0.1
+
+_DETAIL_TYPES = (str, int, float, bool, type(None))
+_stage_names: dict[str, str] = {}
+
+
+def _stage(name: str) -> str:
+    # Stage names repeat: normalise each once per process.
+    try:
+        return _stage_names[name]
+    except KeyError:
+        normal = _stage_names[name] = normalise_stage(name)
+        return normal
+
+
+def check_details(details: Mapping[str, Any]) -> None:
+    """Refuse progress details that are not str, int, float, bool or None."""
+    for key, value in details.items():
+        if type(value) not in _DETAIL_TYPES:
+            raise TypeError(
+                f"progress detail {key!r} must be str, int, float, bool or None, got {type(value).__name__}"
+            )
+
+
+@dataclass
+class StageDeadline:
+    """A deadline that replaces the stage table while a ``deadline()`` or ``stream()`` block runs.
+
+    ``first``/``idle`` bound the time without progress before and after the first chunk
+    (both equal ``seconds`` for a plain deadline); ``total`` bounds the whole block.
+    """
+
+    stage: str
+    first: float
+    idle: float
+    total: float | None
+    started: float
+    kind: str = "deadline"
+    chunks: int = 0
+    first_chunk_at: float | None = None
+
+
+@dataclass(eq=False)
+class OwnedLease:
+    """One attempt's lease, as its owner process sees it.
+
+    Attributes:
+        task_id: the task id.
+        task_name: the task's registered name.
+        owner_id: ``"<hostname>/<pid>/<attempt id>"``.
+        token: the fencing token of this attempt.
+        attempt: executions of this task id that acquired, this one included.
+        takeovers: reaper claims of this task id before this attempt.
+        policy: the lease options in force.
+        thread_id: the thread running the body (for an interrupt).
+    """
+
+    task_id: str
+    task_name: str
+    owner_id: str
+    token: int
+    attempt: int
+    takeovers: int
+    policy: TaskPolicy
+    thread_id: int = field(default_factory=threading.get_ident)
+    stage: str | None = None
+    version: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+    renewed: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)
+    details: Mapping[str, Any] = field(default_factory=dict)
+    lost_reason: str | None = None
+    ended: bool = False
+    body_done: bool = False
+    stall_checks_failed: int = 0
+    stalled_reported: bool = False
+    deadline: StageDeadline | None = None
+    published_stage: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- the body's side (hot path) ---------------------------------------------------------
+
+    def progress(self, stage: str | None = None, details: Mapping[str, Any] | None = None) -> None:
+        """Record real progress: in memory only, no network round trip."""
+        now = time.monotonic()
+        self.raise_if_lost(now)
+        if details:
+            check_details(details)
+            self.details = details
+        if stage is not None:
+            self.stage = _stage(stage)
+        self.version += 1
+        self.last_progress = now
+
+    def raise_if_lost(self, now: float | None = None) -> None:
+        """Raise :class:`LeaseLostError` once the lease is lost or may have expired.
+
+        The second test needs no network: the last successful renewal plus the TTL (less
+        a margin) has passed on the local monotonic clock, so an owner resumed after
+        SIGSTOP, a GC or a VM pause stops before its heartbeat has run again.
+        """
+        if self.lost_reason is not None:
+            raise LeaseLostError(self.task_id, self.token, self.lost_reason)
+        if now is None:
+            now = time.monotonic()
+        ttl = self.policy.lease_ttl
+        if now - self.renewed > ttl * (1 - LOCAL_EXPIRY_MARGIN):
+            raise LeaseLostError(self.task_id, self.token, "expired: no renewal within the lease ttl")
+
+    # -- the heartbeat's side -------------------------------------------------------------
+
+    def mark_lost(self, reason: str) -> bool:
+        """Mark the lease lost; True the first time (so callers report it once)."""
+        with self.lock:
+            if self.lost_reason is not None or self.ended:
+                return False
+            self.lost_reason = reason
+            return True
+
+    def no_progress_deadline(self, now: float) -> tuple[float, float, str]:
+        """Return ``(seconds allowed, seconds without progress, what bounds it)`` at ``now``."""
+        block = self.deadline
+        if block is None:
+            return self.policy.stage_timeout(self.stage), now - self.last_progress, "stage"
+        if block.total is not None and now - block.started > block.total:
+            return block.total, now - block.started, f"{block.kind} total timeout"
+        if block.kind == "stream" and block.chunks == 0:
+            return block.first, now - block.started, "first token timeout"
+        if block.kind == "stream":
+            return block.idle, now - self.last_progress, "idle timeout"
+        return block.first, now - block.started, "deadline"
+
+    @property
+    def progress_age(self) -> float:
+        """Seconds since the last progress, by the monotonic clock."""
+        return time.monotonic() - self.last_progress

@@ -1,0 +1,229 @@
+"""The reaper: claims lapsed and expired leases and sends their tasks again.
+
+:func:`reap` is one pass, a plain function that takes the time as a parameter; the Celery
+task ``celery_fenced.reap`` (put on beat's schedule by :func:`celery_fenced.install`, and
+sent at once by a heartbeat that gives a stalled lease up) calls it. Each task is claimed
+atomically by ``claim.lua`` before anything is sent, so several reapers are safe; a claimed
+task that nobody acquires within ``fenced_requeue_timeout`` is due again, so a reaper that
+dies between claim and send loses nothing. Task ids that will be re-sent are never revoked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from . import signals
+from .conf import ensure_conf
+from .lease import ClaimResult, LeaseState
+
+__all__ = ["REAP_TASK_NAME", "ReapReport", "reap", "register_reaper_task", "request_reap", "resend"]
+
+logger = logging.getLogger("celery_fenced.reaper")
+
+#: The name of the Celery task that runs one reaper pass.
+REAP_TASK_NAME = "celery_fenced.reap"
+
+#: Header carrying the number of takeovers on a re-sent message.
+TAKEOVER_HEADER = "fenced_takeover"
+
+#: How many leases one pass claims at most; the rest wait for the next pass.
+DEFAULT_BATCH = 500
+
+# Options signature_from_request() copies from delivery_info that are not send options.
+_NOT_SEND_OPTIONS = ("redelivered", "is_eager")
+
+
+@dataclass
+class ReapReport:
+    """What one pass did."""
+
+    requeued: list[str] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    left: int = 0
+
+    @property
+    def claimed(self) -> int:
+        """Tasks re-sent or abandoned by this pass."""
+        return len(self.requeued) + len(self.abandoned)
+
+
+def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> ReapReport:
+    """Run one reaper pass over ``app``'s leases.
+
+    Args:
+        app: the Celery app (its result backend must be ``FencedRedisBackend``).
+        now: the time, in seconds since the epoch, up to which index entries are looked
+            at; ``None`` uses the Redis server's clock. Each lease is still re-validated
+            by the claim script against the server's clock.
+        limit: the most leases claimed in this pass.
+
+    Returns:
+        A :class:`ReapReport`; ``left`` counts due entries not looked at in this pass.
+    """
+    backend = app.backend
+    store = getattr(backend, "lease_store", None)
+    if store is None:
+        raise TypeError(f"reap() needs the fenced result backend, not {type(backend).__name__}")
+    conf = ensure_conf(app)
+    now_ms = None if now is None else int(now * 1000)
+    task_ids = store.due_task_ids(limit + 1, now_ms=now_ms)
+    report = ReapReport(left=max(0, len(task_ids) - limit))
+    results = store.claim_due(
+        task_ids[:limit],
+        grace_ms=int(conf.takeover_grace * 1000),
+        requeue_ms=int(conf.requeue_timeout * 1000),
+        abandoned_meta=backend.abandoned_meta,
+        expires_ms=backend.failure_expires_ms(),
+    )
+    for result in results:
+        try:
+            _handle_claim(app, result, report)
+        except Exception:
+            # One task's failure must not stop the others; its lease stays REQUEUED and
+            # is due again after the requeue timeout.
+            logger.exception("could not re-send task %s; it is due again later", result.task_id)
+            report.failed.append(result.task_id)
+    if report.claimed or report.left:
+        logger.info(
+            "reaper: %d re-sent, %d abandoned, %d failed, %d left for the next pass",
+            len(report.requeued),
+            len(report.abandoned),
+            len(report.failed),
+            report.left,
+        )
+    return report
+
+
+def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
+    state = result.state
+    if result.code == "requeued" and state is not None:
+        resend(app, state)
+        report.requeued.append(result.task_id)
+        logger.warning(
+            "takeover: task %s[%s] re-sent (cause=%s, takeovers=%d, last token=%d)",
+            state.task_name,
+            state.task_id,
+            result.cause,
+            state.takeovers,
+            state.owner_token,
+        )
+        signals.task_taken_over.send(
+            sender=state.task_name,
+            task_id=state.task_id,
+            cause=result.cause,
+            takeovers=state.takeovers,
+            abandoned=False,
+        )
+    elif result.code == "abandoned" and state is not None:
+        report.abandoned.append(result.task_id)
+        logger.error(
+            "abandoned: task %s[%s] taken over %d times; FAILURE(TaskAbandonedError) stored",
+            state.task_name,
+            state.task_id,
+            state.takeovers,
+        )
+        signals.task_taken_over.send(
+            sender=state.task_name,
+            task_id=state.task_id,
+            cause=result.cause,
+            takeovers=state.takeovers,
+            abandoned=True,
+        )
+
+
+def resend(app: Celery, state: LeaseState) -> Any:
+    """Send the original call of a claimed task again, under the same task id."""
+    if not state.call:
+        raise ValueError(f"task {state.task_id} has no recorded call to send again")
+    call = dict(state.call)
+    options = dict(call.get("options") or {})
+    for name in _NOT_SEND_OPTIONS:
+        options.pop(name, None)
+    headers = dict(options.pop("headers", None) or {})
+    headers[TAKEOVER_HEADER] = state.takeovers
+    options["task_id"] = state.task_id
+    return app.send_task(
+        call.get("task") or state.task_name,
+        args=call.get("args") or (),
+        kwargs=call.get("kwargs") or {},
+        headers=headers,
+        **options,
+    )
+
+
+def request_reap(app: Celery) -> None:
+    """Send one ``celery_fenced.reap`` message now (it expires before the next beat tick)."""
+    conf = ensure_conf(app)
+    try:
+        app.send_task(REAP_TASK_NAME, expires=max(1.0, conf.reaper_interval * 0.9), ignore_result=True)
+    except Exception:
+        logger.exception("could not send a reap message; beat's next tick will reap")
+
+
+def register_reaper_task(app: Celery) -> None:
+    """Register ``celery_fenced.reap`` on ``app`` (idempotent)."""
+    if getattr(app, "_celery_fenced_reaper", False):
+        return
+    app._celery_fenced_reaper = True
+
+    def run_reaper() -> int:
+        return reap(app).claimed
+
+    app.task(
+        name=REAP_TASK_NAME,
+        ignore_result=True,
+        send_events=False,
+        shared=False,
+        bind=False,
+    )(run_reaper)
+
+
+#: The beat schedule entry ``install()`` adds.
+SCHEDULE_NAME = "celery_fenced.reap"
+
+
+def install(app: Celery) -> None:
+    """Put the reaper on ``app``'s beat schedule, every ``fenced_reaper_interval`` seconds.
+
+    Deferred to ``on_after_configure``, so a later ``config_from_object`` cannot wipe it;
+    beat checks again at start and warns if a hand-written ``beat_schedule`` replaced it.
+    Calling it twice is harmless.
+    """
+    register_reaper_task(app)
+    if getattr(app, "_celery_fenced_installed", False):
+        return
+    app._celery_fenced_installed = True
+
+    def add_schedule(**_: Any) -> None:
+        interval = ensure_conf(app).reaper_interval
+        app.add_periodic_task(
+            interval,
+            app.signature(REAP_TASK_NAME, options={"expires": max(1.0, interval * 0.9)}),
+            name=SCHEDULE_NAME,
+        )
+
+    def check_at_beat_start(sender: Any = None, **_: Any) -> None:
+        beat_app: Any = getattr(sender, "app", None)
+        if beat_app is not app:
+            return
+        if SCHEDULE_NAME in (app.conf.beat_schedule or {}):
+            return
+        logger.warning(
+            "beat_schedule has no %r entry (a later beat_schedule assignment replaced it): "
+            "adding it back; add it to your schedule by hand to silence this warning",
+            SCHEDULE_NAME,
+        )
+        add_schedule()
+
+    if app.configured:
+        add_schedule()
+    else:
+        app.on_after_configure.connect(add_schedule, weak=False)
+    from celery.signals import beat_init
+
+    beat_init.connect(check_at_beat_start, weak=False, dispatch_uid=f"celery_fenced.beat_init.{id(app)}")

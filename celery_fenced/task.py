@@ -1,0 +1,283 @@
+"""``ProgressLeasedTask``: the Celery task base class that holds a progress-aware lease.
+
+::
+
+    @app.task(bind=True, base=ProgressLeasedTask)
+    def build_report(self, report_id):
+        rows = load(report_id)
+        self.progress("LOAD_DATA", rows=len(rows))
+        ...
+
+The lease is taken before the body runs (so the STARTED write already carries the token),
+renewed by the process's heartbeat while the body reports progress within its stage's
+deadline, and ended by the fenced result write. Eager calls run without a lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from types import TracebackType
+from typing import Any, ClassVar
+
+from celery import Celery, Task
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+
+from . import worker
+from .conf import normalise_stage
+from .exceptions import LeaseLostError
+from .lease import LeaseState
+from .owner import OwnedLease, StageDeadline, check_details
+
+__all__ = ["ProgressLeasedTask", "StageBlock"]
+
+
+class StageBlock:
+    """A ``deadline()`` or ``stream()`` block: its own deadlines replace the stage table inside.
+
+    In a stream, :meth:`chunk` (or iterating :meth:`wrap`) is progress. Outside a worker
+    (eager calls) the block only times itself.
+    """
+
+    def __init__(
+        self,
+        lease: OwnedLease | None,
+        stage: str,
+        *,
+        kind: str,
+        first: float,
+        idle: float,
+        total: float | None,
+    ) -> None:
+        for name, value in (("first_token_timeout", first), ("idle_timeout", idle), ("total_timeout", total)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._lease = lease
+        self.stage = normalise_stage(stage)
+        self.block = StageDeadline(
+            stage=self.stage, first=first, idle=idle, total=total, started=time.monotonic(), kind=kind
+        )
+
+    @property
+    def chunks(self) -> int:
+        """Chunks received so far."""
+        return self.block.chunks
+
+    @property
+    def first_chunk_seconds(self) -> float | None:
+        """Seconds from the start of the block to its first chunk, once one came."""
+        if self.block.first_chunk_at is None:
+            return None
+        return self.block.first_chunk_at - self.block.started
+
+    def __enter__(self) -> StageBlock:
+        self.block.started = time.monotonic()
+        if self._lease is not None:
+            self._lease.progress(self.stage)
+            self._lease.deadline = self.block
+        return self
+
+    def chunk(self) -> None:
+        """Record one real chunk of a streamed response: progress."""
+        if self.block.first_chunk_at is None:
+            self.block.first_chunk_at = time.monotonic()
+        self.block.chunks += 1
+        if self._lease is not None:
+            self._lease.progress()
+
+    def wrap(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield each item of ``iterable``, recording each as a chunk."""
+        for item in iterable:
+            self.chunk()
+            yield item
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._lease is not None:
+            self._lease.deadline = None
+            if exc_type is None:
+                self._lease.progress()
+
+
+class ProgressLeasedTask(Task):
+    """A task whose lease is renewed only while its body makes progress.
+
+    Options below may be set as class attributes or in the ``@app.task(...)`` decorator;
+    ``None`` inherits the app's ``fenced_*`` setting of the same name.
+    """
+
+    #: Lease length, seconds (``fenced_lease_ttl``).
+    lease_ttl: float | None = None
+    #: Renew/check period, seconds; must be below ``lease_ttl / 2`` (``fenced_heartbeat_interval``).
+    heartbeat_interval: float | None = None
+    #: ``maxNoProgress`` per stage, seconds (``fenced_stage_timeouts``).
+    stage_timeouts: dict[str, float] | None = None
+    #: ``maxNoProgress`` of stages not in the table (``fenced_default_stage_timeout``).
+    default_stage_timeout: float | None = None
+    #: Failed progress checks in a row before ``on_stall`` applies (``fenced_stall_checks``).
+    stall_checks: int | None = None
+    #: ``"release"``, ``"expire"`` or ``"alert"`` (``fenced_on_stall``).
+    on_stall: str | None = None
+    #: Re-enqueues of one task id before it is ABANDONED (``fenced_max_takeovers``).
+    max_takeovers: int | None = None
+    #: Wall-clock bound of one attempt, seconds (``fenced_max_task_duration``).
+    max_task_duration: float | None = None
+    #: Interrupt the body when the lease is lost (``fenced_interrupt_on_loss``).
+    interrupt_on_loss: bool | None = None
+
+    #: Marks the class for the worker hooks (they do not import this module).
+    fenced_task: ClassVar[bool] = True
+
+    @classmethod
+    def on_bound(cls, app: Celery) -> None:
+        """Connect the worker hooks of ``app`` when a fenced task is bound to it."""
+        super().on_bound(app)
+        worker.connect_worker_hooks(app)
+
+    # -- the lease of the running attempt ---------------------------------------------------
+
+    def _owned(self) -> OwnedLease | None:
+        request = self.request_stack.top
+        if request is None:
+            raise RuntimeError(
+                f"{self.name}: progress(), stream(), deadline() and the lease exist only "
+                "while the task runs (called outside a running task)"
+            )
+        return getattr(request, "fenced_lease", None)
+
+    def progress(self, stage: str | None = None, **details: Any) -> None:
+        """Record real progress of the body: sets the stage (when given) and moves its version.
+
+        In memory only: the heartbeat publishes it with its next renewal. ``details`` values
+        must be str, int, float, bool or None.
+
+        Raises:
+            LeaseLostError: the lease is lost (taken over, fenced, released for stalling,
+                cancelled), or no renewal succeeded within the lease TTL.
+            TypeError: a detail value of another type.
+        """
+        lease = self._owned()
+        if lease is None:  # eager or direct call: no lease, only check the arguments
+            if details:
+                check_details(details)
+            if stage is not None:
+                normalise_stage(stage)
+            return
+        lease.progress(stage, details)
+
+    def stream(
+        self,
+        stage: str,
+        first_token_timeout: float,
+        idle_timeout: float,
+        total_timeout: float | None = None,
+    ) -> StageBlock:
+        """A block around a streamed downstream call; each ``chunk()`` is progress.
+
+        The three deadlines are enforced separately by the heartbeat: time to the first
+        chunk, time between chunks, and the whole block.
+        """
+        return StageBlock(
+            self._owned(),
+            stage,
+            kind="stream",
+            first=first_token_timeout,
+            idle=idle_timeout,
+            total=total_timeout,
+        )
+
+    def deadline(self, stage: str, seconds: float) -> StageBlock:
+        """A block around one blocking call that reports no progress: one hard deadline."""
+        return StageBlock(self._owned(), stage, kind="deadline", first=seconds, idle=seconds, total=seconds)
+
+    @property
+    def fencing_token(self) -> int:
+        """The fencing token of the running attempt (0 when running without a lease)."""
+        lease = self._owned()
+        return lease.token if lease is not None else 0
+
+    @property
+    def lease(self) -> LeaseState | None:
+        """A fresh snapshot of this task's shared lease state (one Redis read)."""
+        task_id = self.request.id
+        store = getattr(self.backend, "lease_store", None)
+        if not task_id or store is None:
+            return None
+        state: LeaseState | None = store.read(task_id)
+        return state
+
+    def idempotency_key(self, step: str) -> str:
+        """A key stable across takeovers of the same task id: ``"{task_id}:{step}"``."""
+        if not isinstance(step, str) or not step:
+            raise ValueError(f"step must be a non-empty string, got {step!r}")
+        return f"{self.request.id}:{step}"
+
+    # -- the body ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        skip = getattr(request, "fenced_skip", None)
+        if skip == "unavailable":
+            worker.send_again(self, request)
+            raise Ignore()
+        if skip:
+            raise Ignore()
+        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
+        if lease is None:
+            return super().__call__(*args, **kwargs)
+        try:
+            retval = super().__call__(*args, **kwargs)
+        except Reject as exc:
+            request.fenced_reject_requeue = bool(exc.requeue)
+            raise
+        except (LeaseLostError, SoftTimeLimitExceeded) as exc:
+            if lease.lost_reason is not None or isinstance(exc, LeaseLostError):
+                # The lease is gone: store nothing; the new owner (or the reaper) finishes it.
+                raise Ignore() from exc
+            raise
+        finally:
+            worker.body_finished(lease)
+        if (request.callbacks or request.chain or request.chord) and not worker.still_owner(self, lease):
+            # Celery sends callbacks and the next chain step *before* it stores the result,
+            # so the store's fence alone cannot stop a zombie's chain: check now.
+            raise Ignore()
+        return retval
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Any = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry()``; the lease waits for the retry message until its eta."""
+        if countdown is not None:
+            delay = float(countdown)
+        elif eta is not None:
+            delay = max(0.0, eta.timestamp() - time.time())
+        else:
+            delay = float(self.default_retry_delay or 0)
+        with contextlib.suppress(AttributeError):
+            self.request.fenced_retry_delay = delay
+        return super().retry(
+            args=args,
+            kwargs=kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )

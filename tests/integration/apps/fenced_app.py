@@ -1,0 +1,189 @@
+"""The Celery app the integration tests run in real worker processes.
+
+Settings come from the environment (the test fixtures set them): ``FENCED_TEST_BROKER_URL``,
+``FENCED_TEST_BACKEND_URL``, ``FENCED_TEST_RECORD_URL`` (where bodies record their runs)
+and ``FENCED_TEST_SETTINGS`` (JSON of extra settings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_fenced import LeaseLostError, ProgressLeasedTask, install
+
+app = Celery("fenced_app")
+app.conf.update(
+    broker_url=os.environ.get("FENCED_TEST_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    result_backend=os.environ.get("FENCED_TEST_BACKEND_URL", "fenced+redis://127.0.0.1:6379/1"),
+    worker_prefetch_multiplier=1,
+    task_track_started=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    fenced_lease_ttl=3,
+    fenced_heartbeat_interval=0.5,
+    fenced_default_stage_timeout=2,
+    fenced_stage_timeouts={"slow-stage": 30, "load-data": 2},
+    fenced_reaper_interval=1,
+    fenced_requeue_timeout=5,
+)
+app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
+install(app)
+
+_record: redis.Redis | None = None
+
+
+def record() -> redis.Redis:
+    """The client of the database where bodies record what they did."""
+    global _record
+    if _record is None or _record.connection_pool.pid != os.getpid():
+        _record = redis.Redis.from_url(os.environ.get("FENCED_TEST_RECORD_URL", "redis://127.0.0.1:6379/2"))
+    return _record
+
+
+def note_run(task: Any, **extra: Any) -> None:
+    entry = {
+        "pid": os.getpid(),
+        "hostname": task.request.hostname,
+        "token": task.fencing_token,
+        "attempt": task.request.get("fenced_lease").attempt if task.request.get("fenced_lease") else 0,
+        **extra,
+    }
+    record().rpush(f"runs:{task.request.id}", json.dumps(entry))
+
+
+def wait_for_key(key: str, timeout: float) -> bool:
+    """Block (without progress) until ``key`` exists: the test decides when a zombie wakes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if record().exists(key):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def steady(self: Any, steps: int, pause: float) -> str:
+    """Progresses ``steps`` times, ``pause`` seconds apart."""
+    note_run(self)
+    for i in range(steps):
+        time.sleep(pause)
+        self.progress("load-data", step=i)
+    return f"done by {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def zombie_once(self: Any, label: str = "") -> str:
+    """The first attempt reports one stage, then blocks without progress until told to wake."""
+    note_run(self)
+    self.progress("load-data")
+    runs = record().llen(f"runs:{self.request.id}")
+    if runs == 1:
+        wait_for_key(f"wake:{self.request.id}", 60)
+        try:
+            self.progress("persist-result")
+        except LeaseLostError as exc:
+            record().rpush(f"lost:{self.request.id}", exc.reason)
+        return f"zombie {label}"
+    return f"owner {self.fencing_token} {label}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def blocked_until_interrupted(self: Any) -> str:
+    """The first attempt loops in Python without progress; later attempts return at once."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        try:
+            for _ in range(600):
+                time.sleep(0.1)
+        except BaseException as exc:
+            record().rpush(f"interrupted:{self.request.id}", type(exc).__name__)
+            raise
+        return "not interrupted"
+    return "owner"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def slow_stage(self: Any, quiet: float) -> str:
+    """Enters a stage with a long deadline and stays quiet for ``quiet`` seconds."""
+    note_run(self)
+    self.progress("SLOW_STAGE")
+    time.sleep(quiet)
+    self.progress("persist-result")
+    return "slow ok"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def killed_once(self: Any) -> str:
+    """The first attempt waits to be killed (SIGKILL of its process) while progressing."""
+    note_run(self)
+    if record().llen(f"runs:{self.request.id}") == 1:
+        for _ in range(600):
+            self.progress("load-data")
+            time.sleep(0.1)
+    return f"finished by {os.getpid()}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def chain_step(self: Any, name: str) -> str:
+    """A chain link that records its runs under its own name."""
+    note_run(self)
+    record().rpush(f"chain:{name}", self.request.id)
+    self.progress("load-data")
+    if name.startswith("zombie") and record().llen(f"runs:{self.request.id}") == 1:
+        wait_for_key(f"wake:{self.request.id}", 60)
+    return name
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def bad_details(self: Any) -> str:
+    """Reports progress with a detail that is not a plain value."""
+    try:
+        self.progress("load-data", payload=object())
+    except TypeError as exc:
+        return f"TypeError: {exc}"
+    return "accepted"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def unknown_stage(self: Any) -> str:
+    """Uses a stage missing from the table."""
+    self.progress("not-in-the-table")
+    time.sleep(0.8)
+    self.progress("not-in-the-table")
+    return "ok"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, on_stall="alert")
+def alert_stall(self: Any, quiet: float) -> str:
+    """An alert-mode task that stalls for ``quiet`` seconds, then finishes."""
+    note_run(self)
+    self.progress("load-data")
+    time.sleep(quiet)
+    self.progress("persist-result")
+    return "alert ok"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, on_stall="expire")
+def expire_stall(self: Any) -> str:
+    """An expire-mode task whose first attempt stalls until told to wake."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        wait_for_key(f"wake:{self.request.id}", 60)
+        return "zombie"
+    return f"owner {self.fencing_token}"
+
+
+@app.task
+def plain_add(x: int, y: int) -> int:
+    """A plain Celery task through the fenced backend."""
+    return x + y

@@ -1,0 +1,151 @@
+"""Fixtures that run the real thing: worker and beat processes against a private Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support.processes import CeleryProcess, wait_until
+from tests.support.redis_server import RedisServer
+
+APP = "tests.integration.apps.fenced_app"
+ROOT = Path(__file__).resolve().parents[2]
+
+BROKER_DB, BACKEND_DB, RECORD_DB = 0, 1, 2
+
+
+def rabbitmq_url() -> str | None:
+    """The RabbitMQ broker URL when the tests are asked to use one and it is reachable."""
+    if os.environ.get("FENCED_TEST_BROKER", "redis") != "rabbitmq":
+        return None
+    return os.environ.get("FENCED_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+class Cluster:
+    """Workers, beat and clients of one test, all on one Redis server."""
+
+    def __init__(self, server: RedisServer, tmp_path: Path) -> None:
+        self.server = server
+        self.tmp_path = tmp_path
+        self.processes: list[CeleryProcess] = []
+        self.broker_url = rabbitmq_url() or server.url(BROKER_DB)
+        self.backend_url = "fenced+" + server.url(BACKEND_DB)
+        self.record_url = server.url(RECORD_DB)
+        self.settings: dict[str, Any] = {}
+        self.record = redis.Redis.from_url(self.record_url, decode_responses=True)
+        self.results = redis.Redis.from_url(server.url(BACKEND_DB))
+
+    def env(self, **settings: Any) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            FENCED_TEST_BROKER_URL=self.broker_url,
+            FENCED_TEST_BACKEND_URL=self.backend_url,
+            FENCED_TEST_RECORD_URL=self.record_url,
+            FENCED_TEST_SETTINGS=json.dumps({**self.settings, **settings}),
+            PYTHONPATH=str(ROOT),
+        )
+        return env
+
+    def app(self) -> Any:
+        """The test app, configured for this cluster, in the test process."""
+        os.environ.update({k: v for k, v in self.env().items() if k.startswith("FENCED_TEST_")})
+        from tests.integration.apps import fenced_app
+
+        fenced_app.app.conf.update(
+            broker_url=self.broker_url,
+            result_backend=self.backend_url,
+            **self.settings,
+        )
+        from celery_fenced.conf import reset_conf
+
+        reset_conf(fenced_app.app)
+        fenced_app.app.__dict__.pop("backend", None)
+        fenced_app.app._local.__dict__.pop("backend", None)
+        return fenced_app
+
+    def worker(
+        self, name: str, pool: str = "prefork", concurrency: int = 2, **settings: Any
+    ) -> CeleryProcess:
+        """Start a worker process and wait until it is ready."""
+        argv = [
+            "-A",
+            APP,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@{socket.gethostname()}",
+            "-l",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            "-E",
+        ]
+        proc = CeleryProcess(name, argv, self.env(**settings), self.tmp_path / f"{name}.log", " ready.")
+        self.processes.append(proc)
+        return proc.wait_ready()
+
+    def beat(self, **settings: Any) -> CeleryProcess:
+        """Start beat (the reaper's schedule) and wait until it runs."""
+        argv = [
+            "-A",
+            APP,
+            "beat",
+            "-l",
+            "INFO",
+            "-s",
+            str(self.tmp_path / "beat-schedule"),
+            "--max-interval",
+            "1",
+        ]
+        proc = CeleryProcess("beat", argv, self.env(**settings), self.tmp_path / "beat.log", "beat: Starting")
+        self.processes.append(proc)
+        return proc.wait_ready()
+
+    def runs(self, task_id: str) -> list[dict[str, Any]]:
+        """What each body execution of ``task_id`` recorded."""
+        return [json.loads(x) for x in self.record.lrange(f"runs:{task_id}", 0, -1)]
+
+    def wait_runs(self, task_id: str, count: int, timeout: float = 20) -> list[dict[str, Any]]:
+        wait_until(lambda: len(self.runs(task_id)) >= count, timeout, f"{count} run(s) of {task_id}")
+        return self.runs(task_id)
+
+    def wake(self, task_id: str) -> None:
+        """Let a zombie body return."""
+        self.record.set(f"wake:{task_id}", 1)
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.name} =====\n{p.log()}" for p in self.processes)
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            proc.stop()
+
+
+@pytest.fixture
+def cluster(redis_server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Workers and beat of one test on the session's private Redis (flushed before and after)."""
+    redis_server.client().flushall()
+    cluster = Cluster(redis_server, tmp_path)
+    yield cluster
+    cluster.stop()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(cluster.logs()[-20000:])
+    redis_server.client().flushall()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

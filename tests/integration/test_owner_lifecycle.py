@@ -1,0 +1,189 @@
+"""ProgressLeasedTask, the heartbeat and the fenced backend on real worker processes.
+
+Times are short: lease TTL 3 s, heartbeat 0.5 s, default stage deadline 2 s (see the app).
+Every test asserts on what was stored: the result, its fence token, the lease and the
+number of body executions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+from celery import chain
+
+from celery_fenced.keys import KeySpace
+from tests.integration.conftest import Cluster
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+KEYS = KeySpace.build("fenced", "celery-task-meta-")
+
+
+def stored(cluster: Cluster, task_id: str) -> dict | None:  # type: ignore[type-arg]
+    raw = cluster.results.get(KEYS.result(task_id))
+    return json.loads(raw) if raw else None
+
+
+def lease(cluster: Cluster, task_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
+
+
+def test_a_progressing_task_keeps_its_lease_past_many_ttls(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.steady.delay(20, 0.5)  # 10 s of steady progress, TTL 3 s
+    assert result.get(timeout=30) == "done by 1"
+    runs = cluster.runs(result.id)
+    assert len(runs) == 1
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == 1
+    state = lease(cluster, result.id)
+    assert state["status"] == "DONE" and state["attempt"] == "1" and state["takeovers"] == "0"
+    assert int(state["progressVersion"]) >= 15
+    assert cluster.results.pttl(KEYS.lease(result.id)) > 0  # a DONE lease expires with its result
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_zombie_loses_its_lease_and_its_late_result_is_refused(cluster: Cluster, pool: str) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", pool=pool, concurrency=2)
+    result = app.zombie_once.delay("z")
+    runs = cluster.wait_runs(result.id, 2, timeout=20)  # stalled after load-data, taken over
+    assert result.get(timeout=20) == f"owner {runs[1]['token']} z"
+    assert runs[1]["token"] > runs[0]["token"]
+    log = worker.log()
+    assert "lease stalled" in log and result.id in log
+    cluster.wake(result.id)  # the zombie wakes up and returns
+    wait_until(lambda: "stale write dropped" in worker.log(), 15, "the stale write to be dropped")
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["result"] == f"owner {runs[1]['token']} z"
+    assert meta["fence_token"] == runs[1]["token"]
+    lost = cluster.record.lrange(f"lost:{result.id}", 0, -1)
+    assert len(lost) == 1 and "stalled" in lost[0]  # its progress() raised LeaseLostError
+    assert len(cluster.runs(result.id)) == 2
+
+
+def test_a_long_but_healthy_stage_is_not_taken_over(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.slow_stage.delay(8)  # stage deadline 30 s, quiet for 8 s, TTL 3 s
+    assert result.get(timeout=30) == "slow ok"
+    assert len(cluster.runs(result.id)) == 1
+    assert lease(cluster, result.id)["takeovers"] == "0"
+
+
+def test_the_same_task_id_delivered_twice_at_once_runs_once(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2)
+    task_id = str(uuid.uuid4())
+    app.steady.apply_async((4, 0.5), task_id=task_id)
+    app.steady.apply_async((4, 0.5), task_id=task_id)
+    assert app.steady.AsyncResult(task_id).get(timeout=30) == "done by 1"
+    wait_until(lambda: "duplicate delivery" in worker.log(), 15, "the duplicate to be skipped")
+    assert len(cluster.runs(task_id)) == 1
+    assert stored(cluster, task_id)["fence_token"] == 1  # type: ignore[index]
+
+
+def test_a_killed_prefork_child_is_taken_over_at_once(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    result = app.killed_once.delay()
+    [first] = cluster.wait_runs(result.id, 1)
+    killed_at = time.monotonic()
+    os.kill(first["pid"], signal.SIGKILL)
+    runs = cluster.wait_runs(result.id, 2, timeout=10)
+    assert result.get(timeout=10) == f"finished by {runs[1]['pid']}"
+    took = time.monotonic() - killed_at
+    assert took < 2.5, f"takeover after SIGKILL took {took:.2f}s (the TTL is 3s: it must not wait for it)"
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == runs[1]["token"]
+    assert lease(cluster, result.id)["status"] == "DONE"
+
+
+def test_a_zombie_in_a_chain_neither_stores_nor_sends_the_next_step(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2)
+    flow = chain(app.chain_step.si("zombie-a"), app.chain_step.si("b"))
+    result = flow.delay()
+    first_id = result.parent.id
+    cluster.wait_runs(first_id, 2, timeout=20)  # taken over
+    assert result.get(timeout=20) == "b"
+    cluster.wake(first_id)
+    wait_until(lambda: "callbacks and chain not sent" in worker.log(), 15, "the zombie to be stopped")
+    time.sleep(0.5)  # give a wrongly sent next step the time to show up
+    assert cluster.record.llen("chain:b") == 1
+    assert stored(cluster, first_id)["result"] == "zombie-a"  # type: ignore[index]
+    assert len(cluster.runs(first_id)) == 2
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_interrupt_on_loss_stops_the_stalled_body(cluster: Cluster, pool: str) -> None:
+    app = cluster.app()
+    cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
+    result = app.blocked_until_interrupted.delay()
+    assert result.get(timeout=20) == "owner"
+    interrupted = wait_until(
+        lambda: cluster.record.lrange(f"interrupted:{result.id}", 0, -1), 10, "the zombie to be interrupted"
+    )
+    assert interrupted[0] in ("SoftTimeLimitExceeded", "LeaseLostError")  # type: ignore[index]
+    assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
+
+
+def test_alert_mode_keeps_the_owner_and_marks_the_stall(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1")
+    result = app.alert_stall.delay(5)  # 5 s quiet with a 2 s deadline
+    wait_until(lambda: lease(cluster, result.id).get("status") == "STALLED", 10, "the lease to show STALLED")
+    assert result.get(timeout=20) == "alert ok"
+    assert len(cluster.runs(result.id)) == 1
+    assert "on_stall=alert" in worker.log()
+    assert lease(cluster, result.id)["takeovers"] == "0"
+
+
+def test_expire_mode_lets_the_ttl_run_out_then_takeover(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    cluster.beat()
+    result = app.expire_stall.delay()
+    runs = cluster.wait_runs(result.id, 2, timeout=20)
+    assert result.get(timeout=20) == f"owner {runs[1]['token']}"
+    state = lease(cluster, result.id)
+    assert state["takeovers"] == "1"
+    cluster.wake(result.id)
+
+
+def test_plain_tasks_through_the_fenced_backend_work_as_with_redis(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    assert app.plain_add.delay(2, 3).get(timeout=15) == 5
+    group_result = (app.plain_add.s(1, 1) | app.plain_add.s(10)).delay()
+    assert group_result.get(timeout=15) == 12
+
+
+def test_bad_progress_details_and_unknown_stages(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1")
+    message = app.bad_details.delay().get(timeout=15)
+    assert message.startswith("TypeError: progress detail 'payload' must be str, int, float, bool or None")
+    assert app.unknown_stage.delay().get(timeout=15) == "ok"
+    wait_until(lambda: "not-in-the-table" in worker.log(), 5, "the unknown stage to be logged")
+    assert worker.log().count("stage 'not-in-the-table' is not in the stage table") == 1
+
+
+def test_progress_outside_a_running_task_is_a_clear_error(cluster: Cluster) -> None:
+    app = cluster.app()
+    with pytest.raises(RuntimeError, match="outside a running task"):
+        app.steady.progress("load-data")
+
+
+def test_eager_calls_run_without_a_lease(cluster: Cluster) -> None:
+    app = cluster.app()
+    result = app.steady.apply((2, 0.01))
+    assert result.get() == "done by 0"
+    assert cluster.results.keys("fenced:lease:*") == []

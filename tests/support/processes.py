@@ -1,0 +1,97 @@
+"""Real Celery worker, beat and Flower processes for integration tests.
+
+Each process runs in its own process group (so a SIGKILL or SIGSTOP reaches the whole
+worker, children included), writes its log to a file the test can read, and is stopped at
+the end of the test whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+__all__ = ["CeleryProcess", "wait_until"]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll ``predicate`` until it returns something true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class CeleryProcess:
+    """One ``celery`` command (worker, beat, flower) running in its own process group."""
+
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, ready_text: str
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.ready_text = ready_text
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", *argv],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        """The main process id."""
+        return self.proc.pid
+
+    def log(self) -> str:
+        """Everything the process logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> CeleryProcess:
+        """Wait until the process logs its ready line."""
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            return self.ready_text in self.log()
+
+        wait_until(ready, timeout, f"{self.name} to be ready")
+        return self
+
+    def children(self) -> list[int]:
+        """Pids of the pool's child processes."""
+        try:
+            return [p.pid for p in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the whole process group (the worker and its children)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the process group: SIGCONT (in case it was stopped), SIGTERM, then SIGKILL."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGCONT)
+            self.signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self._log.close()

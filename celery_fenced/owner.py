@@ -17,12 +17,32 @@ from typing import Any
 from .conf import TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
 
-__all__ = ["OwnedLease", "StageDeadline", "check_details"]
+__all__ = ["OwnedLease", "StageDeadline", "check_details", "current_lease", "set_current_lease"]
 
 #: Fraction of the TTL kept as a safety margin by the owner's local expiry check.
 LOCAL_EXPIRY_MARGIN = 0.1
 
-_DETAIL_TYPES = (str, int, float, bool, type(None))
+_DETAIL_TYPES = frozenset({str, int, float, bool, type(None)})
+_monotonic = time.monotonic
+
+
+class _ThreadState(threading.local):
+    lease: OwnedLease | None = None
+
+
+thread_state = _ThreadState()
+
+
+def current_lease() -> OwnedLease | None:
+    """The lease of the attempt this thread is running, if any (a thread-local read)."""
+    return thread_state.lease
+
+
+def set_current_lease(lease: OwnedLease | None) -> None:
+    """Make ``lease`` this thread's running attempt (``None`` when it ends)."""
+    thread_state.lease = lease
+
+
 _stage_names: dict[str, str] = {}
 
 
@@ -62,7 +82,7 @@ class StageDeadline:
     first_chunk_at: float | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class OwnedLease:
     """One attempt's lease, as its owner process sees it.
 
@@ -99,18 +119,27 @@ class OwnedLease:
     deadline: StageDeadline | None = None
     published_stage: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    expiry_window: float = 0.0
+
+    def __post_init__(self) -> None:
+        # The local expiry check: renewal + TTL less the safety margin.
+        self.expiry_window = self.policy.lease_ttl * (1 - LOCAL_EXPIRY_MARGIN)
 
     # -- the body's side (hot path) ---------------------------------------------------------
 
     def progress(self, stage: str | None = None, details: Mapping[str, Any] | None = None) -> None:
         """Record real progress: in memory only, no network round trip."""
-        now = time.monotonic()
-        self.raise_if_lost(now)
+        now = _monotonic()
+        if self.lost_reason is not None or now - self.renewed > self.expiry_window:
+            self.raise_if_lost(now)
         if details:
             check_details(details)
             self.details = details
         if stage is not None:
-            self.stage = _stage(stage)
+            try:
+                self.stage = _stage_names[stage]
+            except KeyError:
+                self.stage = _stage(stage)
         self.version += 1
         self.last_progress = now
 
@@ -125,8 +154,7 @@ class OwnedLease:
             raise LeaseLostError(self.task_id, self.token, self.lost_reason)
         if now is None:
             now = time.monotonic()
-        ttl = self.policy.lease_ttl
-        if now - self.renewed > ttl * (1 - LOCAL_EXPIRY_MARGIN):
+        if now - self.renewed > self.expiry_window:
             raise LeaseLostError(self.task_id, self.token, "expired: no renewal within the lease ttl")
 
     # -- the heartbeat's side -------------------------------------------------------------

@@ -29,7 +29,7 @@ from . import worker
 from .conf import normalise_stage
 from .exceptions import LeaseLostError
 from .lease import LeaseState
-from .owner import OwnedLease, StageDeadline, check_details
+from .owner import OwnedLease, StageDeadline, check_details, thread_state
 
 __all__ = ["ProgressLeasedTask", "StageBlock"]
 
@@ -164,7 +164,9 @@ class ProgressLeasedTask(Task):
                 cancelled), or no renewal succeeded within the lease TTL.
             TypeError: a detail value of another type.
         """
-        lease = self._owned()
+        lease = thread_state.lease  # a thread-local read: the request stack is much slower
+        if lease is None or lease.task_name != self.name:
+            lease = self._owned()
         if lease is None:  # eager or direct call: no lease, only check the arguments
             if details:
                 check_details(details)

@@ -38,7 +38,7 @@ from .conf import TaskPolicy, ensure_conf
 from .exceptions import ConfigurationError, LeaseLostError
 from .heartbeat import Heartbeat
 from .lease import LeaseStatus
-from .owner import OwnedLease
+from .owner import OwnedLease, current_lease, set_current_lease
 from .reaper import register_reaper_task, request_reap
 
 __all__ = ["connect_worker_hooks", "heartbeat_for"]
@@ -72,6 +72,7 @@ def connect_worker_hooks(app: Celery) -> None:
         _on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
     )
     app.steps["worker"].add(FencedWorkerStep)
+    app.steps["consumer"].add(ChildExitWatch)
     register_reaper_task(app)
 
 
@@ -123,6 +124,38 @@ class FencedWorkerStep(bootsteps.StartStopStep):
 
     def stop(self, parent: Any) -> None:
         stop_heartbeats()
+
+
+class ChildExitWatch(bootsteps.StartStopStep):
+    """Prefork master: notice a dead child within ``CHILD_WATCH_INTERVAL`` seconds.
+
+    The pool learns of a child killed by a signal through its process sentinel, or else
+    through a maintenance timer that runs every 5 seconds. Until it learns, Celery writes
+    no ``WorkerLostError`` and the lease is only given up when its TTL runs out; this
+    timer on the worker's event loop looks at the children more often and lets the pool
+    clean up at once when one has exited.
+    """
+
+    label = "celery-fenced child watch"
+
+    def start(self, parent: Any) -> None:
+        hub = getattr(parent, "hub", None)
+        pool = getattr(getattr(parent, "pool", None), "_pool", None)
+        if hub is None or pool is None or not hasattr(pool, "maintain_pool"):
+            return
+        hub.call_repeatedly(CHILD_WATCH_INTERVAL, _maintain_if_a_child_exited, pool)
+
+
+#: How often the prefork master looks for children that died.
+CHILD_WATCH_INTERVAL = 0.25
+
+
+def _maintain_if_a_child_exited(pool: Any) -> None:
+    try:
+        if any(proc.exitcode is not None for proc in list(pool._pool)):
+            pool.maintain_pool()
+    except Exception:
+        logger.debug("child watch failed", exc_info=True)
 
 
 def warn_if_redis_can_evict(app: Celery) -> None:
@@ -386,6 +419,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         started=started,
     )
     request.fenced_lease = lease
+    set_current_lease(lease)
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None
     heartbeat.register(lease)
@@ -412,6 +446,8 @@ def release(task: Any, request: Any, state: str | None) -> None:
     lease: OwnedLease | None = getattr(request, "fenced_lease", None)
     if lease is None:
         return
+    if current_lease() is lease:
+        set_current_lease(None)
     heartbeat = heartbeat_for(task.app, create=False)
     if heartbeat is not None:
         heartbeat.unregister(lease)

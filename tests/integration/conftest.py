@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tests.support.processes import CeleryProcess, wait_until
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, default_binary
 
 APP = "tests.integration.apps.fenced_app"
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,9 +65,12 @@ class Cluster:
         )
         from celery_fenced.conf import reset_conf
 
-        reset_conf(fenced_app.app)
-        fenced_app.app.__dict__.pop("backend", None)
-        fenced_app.app._local.__dict__.pop("backend", None)
+        app = fenced_app.app
+        reset_conf(app)
+        # Each test may run on another Redis: forget the connections made for the last one.
+        app._pool = None
+        app.amqp._producer_pool = None
+        app._local.__dict__.pop("backend", None)
         return fenced_app
 
     def worker(
@@ -131,17 +134,37 @@ class Cluster:
             proc.stop()
 
 
-@pytest.fixture
-def cluster(redis_server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """Workers and beat of one test on the session's private Redis (flushed before and after)."""
-    redis_server.client().flushall()
-    cluster = Cluster(redis_server, tmp_path)
+def _run_cluster(server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    server.client().flushall()
+    cluster = Cluster(server, tmp_path)
     yield cluster
     cluster.stop()
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         print(cluster.logs()[-20000:])
-    redis_server.client().flushall()
+    if server.running():
+        server.client().flushall()
+
+
+@pytest.fixture
+def cluster(redis_server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Workers and beat of one test on the session's private Redis (flushed before and after)."""
+    yield from _run_cluster(redis_server, tmp_path, request)
+
+
+@pytest.fixture
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A Redis server of this test alone, with AOF on: the test may stop and restart it."""
+    server = RedisServer(default_binary(), tmp_path_factory.mktemp("own-redis"), appendonly=True).start()
+    yield server
+    if server.running():
+        server.stop()
+
+
+@pytest.fixture
+def own_cluster(own_redis: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Workers and beat on a Redis this test owns (and may restart)."""
+    yield from _run_cluster(own_redis, tmp_path, request)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -187,3 +187,84 @@ def test_eager_calls_run_without_a_lease(cluster: Cluster) -> None:
     result = app.steady.apply((2, 0.01))
     assert result.get() == "done by 0"
     assert cluster.results.keys("fenced:lease:*") == []
+
+
+def test_the_started_write_already_carries_the_token(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.progress_until_told.delay()
+    wait_until(lambda: (stored(cluster, result.id) or {}).get("status") == "STARTED", 10, "STARTED")
+    assert stored(cluster, result.id)["fence_token"] == 1  # type: ignore[index]
+    cluster.wake(result.id)
+    assert result.get(timeout=10) == "told 1"
+
+
+def test_a_failure_is_stored_with_the_token_and_ends_the_lease(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.failing.delay()
+    with pytest.raises(ValueError, match="boom"):
+        result.get(timeout=10)
+    assert stored(cluster, result.id)["fence_token"] == 1  # type: ignore[index]
+    assert lease(cluster, result.id)["status"] == "DONE"
+    assert len(cluster.runs(result.id)) == 1
+
+
+def test_a_retry_keeps_the_task_id_and_the_retried_run_acquires_anew(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.retry_once.delay()
+    runs = cluster.wait_runs(result.id, 2)
+    assert result.get(timeout=15) == f"retried 1 token {runs[1]['token']}"
+    assert runs[1]["token"] > runs[0]["token"]
+    state = lease(cluster, result.id)
+    assert state["status"] == "DONE" and state["attempt"] == "2" and state["takeovers"] == "0"
+
+
+def test_ignore_and_ignored_results_end_the_lease_without_a_result(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    ignored = app.ignoring.delay()
+    quiet = app.result_ignored.delay()
+    for task_id in (ignored.id, quiet.id):
+        wait_until(lambda task_id=task_id: lease(cluster, task_id).get("status") == "DONE", 10, "DONE")
+        assert (stored(cluster, task_id) or {}).get("status") in (None, "STARTED")  # no READY result
+        assert len(cluster.runs(task_id)) == 1
+
+
+def test_max_task_duration_is_terminal(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.endless.delay()
+    with pytest.raises(Exception, match="fenced_max_task_duration"):
+        result.get(timeout=15)
+    wait_until(lambda: cluster.record.llen(f"lost:{result.id}"), 10, "the body to be told")
+    assert lease(cluster, result.id)["status"] == "DONE"
+    assert len(cluster.runs(result.id)) == 1
+
+
+def test_groups_and_chords_of_fenced_tasks(cluster: Cluster) -> None:
+    from celery import chord, group
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    assert group(app.fenced_add.s(i, i) for i in range(5)).delay().get(timeout=20) == [0, 2, 4, 6, 8]
+    assert chord((app.fenced_add.s(i, 1) for i in range(4)), app.fenced_sum.s()).delay().get(timeout=20) == 10
+
+
+def test_a_redis_outage_shorter_than_the_ttl_does_not_lose_the_lease(own_cluster: Cluster) -> None:
+    cluster = own_cluster
+    app = cluster.app()
+    worker = cluster.worker("w1")
+    result = app.steady.delay(16, 0.5)  # 8 s of progress
+    cluster.wait_runs(result.id, 1)
+    wait_until(lambda: int(lease(cluster, result.id).get("progressVersion", 0)) >= 2, 10, "renewals")
+    outage_started = time.monotonic()
+    cluster.server.restart()  # stop and start on the same port, AOF on
+    outage = time.monotonic() - outage_started
+    assert outage < 2.5, f"the restart took {outage:.1f}s: not shorter than the 3s TTL"
+    assert result.get(timeout=30) == "done by 1"
+    assert len(cluster.runs(result.id)) == 1
+    state = lease(cluster, result.id)
+    assert state["status"] == "DONE" and state["takeovers"] == "0"
+    assert "lease lost" not in worker.log()

@@ -187,3 +187,75 @@ def expire_stall(self: Any) -> str:
 def plain_add(x: int, y: int) -> int:
     """A plain Celery task through the fenced backend."""
     return x + y
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fenced_add(self: Any, x: int, y: int) -> int:
+    """A short fenced task for groups and chords."""
+    self.progress("load-data")
+    return x + y
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fenced_sum(self: Any, values: list[int]) -> int:
+    """A chord body."""
+    self.progress("load-data")
+    return sum(values)
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def failing(self: Any) -> None:
+    """Raises: the FAILURE is stored with the token and ends the lease."""
+    note_run(self)
+    raise ValueError("boom")
+
+
+@app.task(bind=True, base=ProgressLeasedTask, default_retry_delay=1)
+def retry_once(self: Any) -> str:
+    """Retries once, then succeeds: the retried run acquires anew."""
+    note_run(self)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)
+    return f"retried {self.request.retries} token {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def ignoring(self: Any) -> None:
+    """Ends without a result (Ignore)."""
+    from celery.exceptions import Ignore
+
+    note_run(self)
+    raise Ignore()
+
+
+@app.task(bind=True, base=ProgressLeasedTask, ignore_result=True)
+def result_ignored(self: Any) -> str:
+    """Its result is not stored: the lease still ends DONE."""
+    note_run(self)
+    self.progress("load-data")
+    return "ignored"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, max_task_duration=2)
+def endless(self: Any) -> str:
+    """Progresses forever: only fenced_max_task_duration ends it."""
+    note_run(self)
+    try:
+        for _ in range(300):
+            self.progress("load-data")
+            time.sleep(0.1)
+    except LeaseLostError as exc:
+        record().rpush(f"lost:{self.request.id}", exc.reason)
+        raise
+    return "never"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def progress_until_told(self: Any) -> str:
+    """Progresses until a key is set (so a test can look at it while it runs)."""
+    note_run(self)
+    deadline = time.monotonic() + 60
+    while not record().exists(f"wake:{self.request.id}") and time.monotonic() < deadline:
+        self.progress("load-data")
+        time.sleep(0.1)
+    return f"told {self.fencing_token}"

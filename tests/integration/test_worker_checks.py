@@ -1,0 +1,44 @@
+"""A worker on which fenced tasks cannot work refuses to start, with one clear message."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import Cluster
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def start_and_fail(cluster: Cluster, *, pool: str = "prefork", **settings: object) -> str:
+    cluster.app()
+    env = cluster.env(**settings)
+    from tests.support.processes import CeleryProcess
+
+    argv = ["-A", "tests.integration.apps.fenced_app", "worker", "-P", pool, "-c", "1", "--without-mingle"]
+    proc = CeleryProcess("refused", argv, env, cluster.tmp_path / "refused.log", " ready.")
+    cluster.processes.append(proc)
+    wait_until(lambda: proc.proc.poll() is not None, 60, "the worker to refuse to start")
+    assert proc.proc.returncode != 0
+    return proc.log()
+
+
+def test_a_bad_setting_stops_the_worker_naming_the_setting(cluster: Cluster) -> None:
+    log = start_and_fail(cluster, fenced_heartbeat_interval=2)
+    assert "fenced_heartbeat_interval must be less than half of fenced_lease_ttl" in log
+
+
+def test_an_unknown_on_stall_mode_stops_the_worker(cluster: Cluster) -> None:
+    log = start_and_fail(cluster, fenced_on_stall="kill")
+    assert "fenced_on_stall must be one of release, expire, alert; got 'kill'" in log
+
+
+def test_another_result_backend_is_refused(cluster: Cluster) -> None:
+    log = start_and_fail(cluster, result_backend=cluster.server.url(1))
+    assert "ProgressLeasedTask needs the fenced result backend" in log
+
+
+def test_the_gevent_pool_is_refused(cluster: Cluster) -> None:
+    pytest.importorskip("gevent", reason="gevent is in the test extra; this environment lacks it")
+    log = start_and_fail(cluster, pool="gevent")
+    assert "does not support the gevent pool" in log

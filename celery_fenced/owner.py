@@ -155,7 +155,9 @@ class OwnedLease:
         if now is None:
             now = time.monotonic()
         if now - self.renewed > self.expiry_window:
-            raise LeaseLostError(self.task_id, self.token, "expired: no renewal within the lease ttl")
+            reason = "expired: no renewal within the lease ttl"
+            self.mark_lost(reason)
+            raise LeaseLostError(self.task_id, self.token, self.lost_reason or reason)
 
     # -- the heartbeat's side -------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject
 
 from . import worker
 from .conf import normalise_stage
@@ -240,9 +240,10 @@ class ProgressLeasedTask(Task):
         except Reject as exc:
             request.fenced_reject_requeue = bool(exc.requeue)
             raise
-        except (LeaseLostError, SoftTimeLimitExceeded) as exc:
+        except Exception as exc:
             if lease.lost_reason is not None or isinstance(exc, LeaseLostError):
-                # The lease is gone: store nothing; the new owner (or the reaper) finishes it.
+                # The lease is gone (or may be): a lost owner stores nothing, not even
+                # its error; the new owner, or the reaper's re-send, finishes the task.
                 raise Ignore() from exc
             raise
         finally:

@@ -12,7 +12,8 @@
 -- become mass takeovers. progressVersion never moves back; lastProgressAt is server TIME
 -- minus the reported age, so the owner's wall clock never matters.
 --
--- Returns one code per lease:
+-- A DONE or ABANDONED lease answers "finished" or "claimed" whatever the token (a cancel
+-- ends a lease with a fresh token). Returns one code per lease:
 --   "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED/ABANDONED) |
 --   "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
 redis.replicate_commands()
@@ -30,6 +31,10 @@ for i = 2, #KEYS do
   local code
   if not status then
     code = 'missing'
+  elseif status == 'DONE' then
+    code = 'finished'
+  elseif status == 'ABANDONED' then
+    code = 'claimed'
   elseif cur[2] ~= token then
     code = 'stale-token'
   elseif cur[3] ~= owner then
@@ -49,14 +54,12 @@ for i = 2, #KEYS do
         redis.call('HSET', lease, 'currentStage', stage)
       end
     end
-  elseif status == 'REQUEUED' or status == 'ABANDONED' then
+  elseif status == 'REQUEUED' then
     code = 'claimed'
   elseif status == 'LAPSED' then
     code = 'lapsed'
-  elseif status == 'RETRYING' then
-    code = 'retrying'
   else
-    code = 'finished'
+    code = 'retrying'
   end
   codes[#codes + 1] = code
 end

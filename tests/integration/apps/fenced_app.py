@@ -34,6 +34,10 @@ app.conf.update(
     fenced_reaper_interval=1,
     fenced_requeue_timeout=5,
 )
+if app.conf.broker_url.startswith("redis"):
+    # Take a message only when a process is free: a worker whose only process is stuck
+    # must not hold the re-sent message in its prefetch buffer (see docs/guarantees).
+    app.conf.worker_disable_prefetch = True
 app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
 install(app)
 
@@ -259,3 +263,37 @@ def progress_until_told(self: Any) -> str:
         self.progress("load-data")
         time.sleep(0.1)
     return f"told {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def progress_steps(self: Any, steps: int, pause: float) -> str:
+    """Progresses ``steps`` times; records why, if its lease is lost on the way."""
+    note_run(self)
+    try:
+        for i in range(steps):
+            time.sleep(pause)
+            self.progress("load-data", step=i)
+    except LeaseLostError as exc:
+        record().rpush(f"lost:{self.request.id}", exc.reason)
+        raise
+    return f"steps by {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, max_takeovers=20)
+def soak(self: Any, index: int, stall: bool) -> str:
+    """The chaos soak's task: a few stages; the first attempt of some stalls (a zombie)."""
+    note_run(self)
+    first = record().llen(f"runs:{self.request.id}") == 1
+    try:
+        self.progress("load-data")
+        time.sleep(0.2)
+        if stall and first:
+            wait_for_key("soak:wake", 120)  # a zombie until the test wakes them all
+        self.progress("call-ai")
+        time.sleep(0.2)
+        self.progress("persist-result")
+    except LeaseLostError as exc:
+        record().rpush(f"lost:{self.request.id}", exc.reason)
+        raise
+    record().rpush(f"completed:{self.request.id}", self.fencing_token)
+    return f"{index} by {self.fencing_token}"

@@ -38,6 +38,10 @@ if app.conf.broker_url.startswith("redis"):
     # Take a message only when a process is free: a worker whose only process is stuck
     # must not hold the re-sent message in its prefetch buffer (see docs/guarantees).
     app.conf.worker_disable_prefetch = True
+else:
+    # RabbitMQ: worker_disable_prefetch is Redis-only. Late acks keep the running message
+    # counted against the prefetch limit, so a stuck process holds no second message.
+    app.conf.task_acks_late = True
 app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
 install(app)
 

@@ -1,0 +1,68 @@
+"""The Celery app the benchmarks run (settings from FENCED_BENCH_* environment variables)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_fenced import ProgressLeasedTask, install
+
+REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
+
+app = Celery("bench_app", broker=f"{REDIS}/0", backend=f"fenced+{REDIS}/1")
+app.conf.update(
+    worker_prefetch_multiplier=1,
+    worker_disable_prefetch=True,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    fenced_lease_ttl=3,
+    fenced_heartbeat_interval=0.5,
+    fenced_stage_timeouts={"work": 1.0},
+    fenced_reaper_interval=1,
+)
+app.conf.update(json.loads(os.environ.get("FENCED_BENCH_SETTINGS", "{}")))
+install(app)
+
+plain_app = Celery("bench_plain", broker=f"{REDIS}/2", backend=f"{REDIS}/3")
+plain_app.conf.update(worker_prefetch_multiplier=1, worker_hijack_root_logger=False)
+
+_marks: redis.Redis | None = None
+
+
+def marks() -> redis.Redis:
+    global _marks
+    if _marks is None or _marks.connection_pool.pid != os.getpid():
+        _marks = redis.Redis.from_url(f"{REDIS}/4")
+    return _marks
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def stall_once(self: Any) -> str:
+    """First attempt: progress in stage "work", then block; later attempts record their start."""
+    key = f"attempts:{self.request.id}"
+    attempt = marks().incr(key)
+    self.progress("work")
+    if attempt == 1:
+        marks().set(f"stalled:{self.request.id}", time.time())
+        time.sleep(6)  # blocked past the takeover, then the process is free again
+        return "zombie"
+    marks().set(f"taken:{self.request.id}", time.time())
+    return "owner"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fenced_short(self: Any, seconds: float) -> None:
+    """A short fenced task."""
+    time.sleep(seconds)
+    self.progress("work")
+
+
+@plain_app.task
+def plain_short(seconds: float) -> None:
+    """The same short task, plain Celery."""
+    time.sleep(seconds)

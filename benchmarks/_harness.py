@@ -71,14 +71,32 @@ class Harness:
 
     def worker(self, name: str, pool: str = "prefork", concurrency: int = 2) -> subprocess.Popen[bytes]:
         return self.celery(
-            "worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
-            "--without-mingle", "--without-gossip", ready=" ready.", name=name,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "-l",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            ready=" ready.",
+            name=name,
         )
 
     def beat(self) -> subprocess.Popen[bytes]:
         return self.celery(
-            "beat", "-s", str(self.tmp / "schedule"), "--max-interval", "1", "-l", "INFO",
-            ready="beat: Starting", name="beat",
+            "beat",
+            "-s",
+            str(self.tmp / "schedule"),
+            "--max-interval",
+            "1",
+            "-l",
+            "INFO",
+            ready="beat: Starting",
+            name="beat",
         )
 
     def close(self) -> None:

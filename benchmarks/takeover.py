@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import Harness, wait  # noqa: E402
+from benchmarks._harness import Harness, wait
 
 
 def main() -> int:
@@ -52,8 +51,10 @@ def main() -> int:
         median, worst = statistics.median(latencies), max(latencies)
         print(f"stalls: {len(latencies)}; stage deadline {deadline:g}s; bound beyond it {bound:g}s")
         print(f"takeover after the deadline: median {median:.3f}s, max {worst:.3f}s")
-        print(f"ratio max / bound = {worst / bound:.2f}; target max <= bound + 0.5s: "
-              f"{'met' if worst <= bound + 0.5 else 'NOT met'}")
+        print(
+            f"ratio max / bound = {worst / bound:.2f}; target max <= bound + 0.5s: "
+            f"{'met' if worst <= bound + 0.5 else 'NOT met'}"
+        )
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from functools import cached_property, partial
 from typing import Any
 
@@ -24,11 +25,13 @@ from celery.backends.redis import RedisBackend
 from celery.exceptions import TaskRevokedError
 from kombu.utils.encoding import bytes_to_str
 
-from . import reaper, signals
+from . import events, reaper, signals
 from .conf import ensure_conf
 from .exceptions import TaskAbandonedError
 from .keys import KeySpace
 from .lease import LeaseStore, StoreResult
+from .metrics import buffer as metrics
+from .metrics import count_lease_activity
 from .owner import OwnedLease
 
 __all__ = ["REFUSED_WRITES", "FencedRedisBackend"]
@@ -63,9 +66,7 @@ class FencedRedisBackend(RedisBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         conf = ensure_conf(self.app)
-        self.keyspace = KeySpace.build(
-            conf.key_prefix, bytes_to_str(self.task_keyprefix), _global_keyprefix(self.app)
-        )
+        self.keyspace = KeySpace.build(conf.key_prefix, bytes_to_str(self.task_keyprefix), _global_keyprefix(self.app))
 
     @cached_property
     def lease_store(self) -> LeaseStore:
@@ -86,6 +87,8 @@ class FencedRedisBackend(RedisBackend):
         if request is not None and getattr(request, "fenced_skip", None):
             # A duplicate or finished delivery: its writes (STARTED included) go nowhere.
             return result
+        if request is not None and state == states.SUCCESS and getattr(request, "fenced_result_stored", False):
+            return result  # already stored through the fence by the task itself
         owned: OwnedLease | None = getattr(request, "fenced_lease", None)
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
@@ -124,6 +127,9 @@ class FencedRedisBackend(RedisBackend):
         if code == "stored":
             if owned is not None and outcome.detail in ("DONE", "RETRYING"):
                 owned.ended = True
+                count_lease_activity(owned, ended=True)
+                if state == states.SUCCESS:
+                    metrics.observe("owner_task_total_duration_seconds", time.monotonic() - owned.started)
             return
         name = owned.task_name if owned is not None else None
         if code == "stale":
@@ -137,8 +143,7 @@ class FencedRedisBackend(RedisBackend):
                 owned.token if owned is not None else None,
                 current,
             )
-            if owned is not None:
-                owned.mark_lost("fenced: a newer token owns the task")
+            self._count_stale_write(task_id, state, owned, current)
             signals.stale_write_rejected.send(
                 sender=name,
                 task_id=task_id,
@@ -147,12 +152,33 @@ class FencedRedisBackend(RedisBackend):
                 state=state,
             )
         elif code == "lapsed":
-            logger.warning(
-                "worker lost while running task %s: lease lapsed, the task will be taken over", task_id
-            )
+            logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
             reaper.request_reap(self.app)
         else:
             logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, outcome.detail)
+
+    def _count_stale_write(self, task_id: str, state: str, owned: OwnedLease | None, current: int | None) -> None:
+        metrics.inc("owner_fencing_rejected_total")
+        if owned is None:
+            metrics.flush(self.lease_store)
+            return
+        owned.mark_lost("fenced: a newer token owns the task")
+        if state == states.SUCCESS:
+            # The old owner of a takeover finished after all: its deadline was too tight.
+            lease = self.lease_store.read(task_id)
+            if lease is not None and lease.takeovers > 0 and "cancelledAt" not in lease.raw:
+                metrics.inc("owner_false_takeover_total")
+        metrics.flush(self.lease_store)
+        events.send(
+            self.app,
+            "task-fenced",
+            task_id=task_id,
+            token=owned.token,
+            stage=owned.stage,
+            attempt=owned.attempt,
+            current_token=current,
+            state=state,
+        )
 
     def _expires_ms(self, state: str) -> int:
         expires = self.failure_expires if state == states.FAILURE else self.expires
@@ -162,9 +188,7 @@ class FencedRedisBackend(RedisBackend):
     def _refused(request: Any) -> bool:
         if request is None:
             return False
-        return bool(getattr(request, "fenced_skip", None)) or (
-            getattr(request, "fenced_write", None) in REFUSED_WRITES
-        )
+        return bool(getattr(request, "fenced_skip", None)) or (getattr(request, "fenced_write", None) in REFUSED_WRITES)
 
     # -- Celery's write entry points: no side effects after a refused write -----------------
 
@@ -228,9 +252,7 @@ class FencedRedisBackend(RedisBackend):
 
     def encoded_meta(self, task_id: str, exc: BaseException, state: str, token: int) -> Any:
         """Encode a READY meta for ``exc``, carrying ``token`` as ``fence_token``."""
-        meta = self._get_result_meta(
-            result=self.encode_result(exc, state), state=state, traceback=None, request=None
-        )
+        meta = self._get_result_meta(result=self.encode_result(exc, state), state=state, traceback=None, request=None)
         meta["task_id"] = task_id
         meta["fence_token"] = token
         return self.encode(meta)

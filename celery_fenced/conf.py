@@ -108,9 +108,7 @@ def _stage_table(name: str, value: Any) -> Mapping[str, float]:
         try:
             key = normalise_stage(stage)
         except ValueError:
-            raise ConfigurationError(
-                f"{name} has a stage name that is not a non-empty string, got {stage!r}"
-            ) from None
+            raise ConfigurationError(f"{name} has a stage name that is not a non-empty string, got {stage!r}") from None
         checked = _positive_seconds(f"{name}[{stage!r}]", seconds)
         assert checked is not None
         table[key] = checked
@@ -188,9 +186,7 @@ class FencedConfig:
         A task attribute left as ``None`` inherits the app's setting.
         """
         overrides = {
-            option: getattr(task, option)
-            for option in TASK_OPTIONS
-            if getattr(task, option, None) is not None
+            option: getattr(task, option) for option in TASK_OPTIONS if getattr(task, option, None) is not None
         }
         if not overrides:
             return self.policy
@@ -232,9 +228,7 @@ def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
         stall_checks=_positive_int(source("stall_checks"), get("stall_checks")),
         on_stall=_on_stall(source("on_stall"), get("on_stall")),
         max_takeovers=_positive_int(source("max_takeovers"), get("max_takeovers"), minimum=0),
-        max_task_duration=_positive_seconds(
-            source("max_task_duration"), get("max_task_duration"), allow_none=True
-        ),
+        max_task_duration=_positive_seconds(source("max_task_duration"), get("max_task_duration"), allow_none=True),
         interrupt_on_loss=interrupt,
     )
 

@@ -12,6 +12,7 @@ The thread holds only weak references to the leases it serves and loops on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from .lease import LeaseStore, RenewRequest
+from .metrics import buffer as metrics
+from .metrics import count_lease_activity
 from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
 
 __all__ = ["Heartbeat", "HeartbeatHooks"]
@@ -155,11 +158,22 @@ class Heartbeat:
             if limit is not None and now - lease.started > limit:
                 self._hooks.duration_exceeded(lease)
                 continue
+            metrics.inc("owner_heartbeat_total")
+            self._count_progress(lease)
             renew, stalled = self._check_progress(lease, now)
             if renew:
                 batch.append((lease, stalled))
         if batch:
             self._renew(batch)
+        self._flush_metrics()
+
+    @staticmethod
+    def _count_progress(lease: OwnedLease) -> None:
+        count_lease_activity(lease)
+
+    def _flush_metrics(self) -> None:
+        with contextlib.suppress(RedisError):
+            metrics.flush(self._get_store())
 
     def _check_progress(self, lease: OwnedLease, now: float) -> tuple[bool, bool]:
         """Return ``(renew, stalled)`` for one lease, applying ``on_stall`` when due."""
@@ -173,6 +187,9 @@ class Heartbeat:
         if lease.stall_checks_failed < policy.stall_checks:
             return True, False
         if not lease.stalled_reported:
+            metrics.inc("owner_no_progress_timeout_total")
+            if bound == "idle timeout":
+                metrics.inc("owner_stream_idle_timeout_total")
             logger.warning(
                 "lease stalled: task %s[%s] stage=%s token=%s: no progress for %.1fs (%s %.1fs), on_stall=%s",
                 lease.task_name,
@@ -200,9 +217,7 @@ class Heartbeat:
 
     def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
         try:
-            code = self._get_store().lapse(
-                lease.task_id, lease.owner_id, lease.token, mode=mode, reason="stalled"
-            )
+            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, reason="stalled")
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False
@@ -239,7 +254,9 @@ class Heartbeat:
             if code == "ok":
                 lease.renewed = sent
                 renewed.append(lease)
+                metrics.inc("owner_lease_renew_total")
             else:
+                metrics.inc("owner_lease_renew_rejected_total")
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
         if renewed:
             self._hooks.renewed(renewed)

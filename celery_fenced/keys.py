@@ -7,6 +7,7 @@ lease and the result always share a Redis Cluster slot::
     <prefix>:lease:{celery-task-meta-<task_id>}      the lease hash
     <prefix>:token                                   the global fencing-token counter
     <prefix>:leases                                  sorted set: lease key -> next due time (ms)
+    <prefix>:metrics                                 hash: cluster-wide metric totals
 
 Celery's ``result_backend_transport_options['global_keyprefix']`` is put in front of all
 of them, as Celery puts it in front of the result key.
@@ -48,6 +49,11 @@ class KeySpace:
     def index(self) -> str:
         """The sorted set of leases by the time the reaper should look at them next."""
         return f"{self.prefix}:leases"
+
+    @property
+    def metrics(self) -> str:
+        """The cluster-wide metric totals (a hash written by every process)."""
+        return f"{self.prefix}:metrics"
 
     def result(self, task_id: str) -> str:
         """Celery's result key for a task."""

@@ -192,9 +192,7 @@ class ClaimResult:
     state: LeaseState | None
 
 
-_RENEW_CODES = frozenset(
-    {"ok", "stale-token", "not-owner", "claimed", "lapsed", "finished", "retrying", "missing"}
-)
+_RENEW_CODES = frozenset({"ok", "stale-token", "not-owner", "claimed", "lapsed", "finished", "retrying", "missing"})
 _SIMPLE_CODES = {
     "lapse": frozenset({"ok", "stale-token", "not-owner", "not-running", "missing"}),
     "release": frozenset({"ok", "stale-token", "not-owner", "finished", "missing"}),
@@ -258,9 +256,7 @@ class LeaseStore:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
         call_json = json.dumps(call) if call else ""
-        code, previous, flat = self._acquire(
-            task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage
-        )
+        code, previous, flat = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage)
         outcome = AcquireOutcome(_checked_acquire(code))
         return AcquireResult(outcome, _text(previous), LeaseState.from_flat(task_id, flat))
 

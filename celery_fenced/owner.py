@@ -120,6 +120,9 @@ class OwnedLease:
     published_stage: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     expiry_window: float = 0.0
+    stage_started: float = field(default_factory=time.monotonic)
+    stage_log: list[tuple[str | None, float]] = field(default_factory=list, repr=False)
+    counted_version: int = 0
 
     def __post_init__(self) -> None:
         # The local expiry check: renewal + TTL less the safety margin.
@@ -137,9 +140,14 @@ class OwnedLease:
             self.details = details
         if stage is not None:
             try:
-                self.stage = _stage_names[stage]
+                normal = _stage_names[stage]
             except KeyError:
-                self.stage = _stage(stage)
+                normal = _stage(stage)
+            if normal != self.stage:
+                # A stage change: keep the finished stage's duration for the heartbeat.
+                self.stage_log.append((self.stage, now - self.stage_started))
+                self.stage_started = now
+                self.stage = normal
         self.version += 1
         self.last_progress = now
 
@@ -160,6 +168,11 @@ class OwnedLease:
             raise LeaseLostError(self.task_id, self.token, self.lost_reason or reason)
 
     # -- the heartbeat's side -------------------------------------------------------------
+
+    def take_stage_log(self) -> list[tuple[str | None, float]]:
+        """The durations of stages finished since the last call: ``[(stage, seconds), …]``."""
+        log, self.stage_log = self.stage_log, []
+        return log
 
     def mark_lost(self, reason: str) -> bool:
         """Mark the lease lost; True the first time (so callers report it once)."""

@@ -16,9 +16,10 @@ from typing import Any
 
 from celery import Celery
 
-from . import signals
+from . import events, signals
 from .conf import ensure_conf
 from .lease import ClaimResult, LeaseState
+from .metrics import buffer as metrics
 
 __all__ = ["REAP_TASK_NAME", "ReapReport", "reap", "register_reaper_task", "request_reap", "resend"]
 
@@ -88,6 +89,8 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
             # is due again after the requeue timeout.
             logger.exception("could not re-send task %s; it is due again later", result.task_id)
             report.failed.append(result.task_id)
+    if results:
+        metrics.flush(store)
     if report.claimed or report.left:
         logger.info(
             "reaper: %d re-sent, %d abandoned, %d failed, %d left for the next pass",
@@ -112,6 +115,9 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.takeovers,
             state.owner_token,
         )
+        if result.cause in ("stalled", "gone"):
+            metrics.inc("owner_takeover_total", cause=result.cause)
+        _event(app, "task-takeover", state, result.cause)
         signals.task_taken_over.send(
             sender=state.task_name,
             task_id=state.task_id,
@@ -127,6 +133,7 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.task_id,
             state.takeovers,
         )
+        _event(app, "task-abandoned", state, result.cause)
         signals.task_taken_over.send(
             sender=state.task_name,
             task_id=state.task_id,
@@ -134,6 +141,20 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             takeovers=state.takeovers,
             abandoned=True,
         )
+
+
+def _event(app: Celery, event_type: str, state: LeaseState, cause: str) -> None:
+    events.send(
+        app,
+        event_type,
+        task_id=state.task_id,
+        token=state.owner_token,
+        stage=state.current_stage,
+        attempt=state.attempt,
+        takeovers=state.takeovers,
+        cause=cause,
+        name=state.task_name,
+    )
 
 
 def resend(app: Celery, state: LeaseState) -> Any:

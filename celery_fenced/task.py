@@ -29,6 +29,7 @@ from . import worker
 from .conf import normalise_stage
 from .exceptions import LeaseLostError
 from .lease import LeaseState
+from .metrics import buffer as metrics
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
 
 __all__ = ["ProgressLeasedTask", "StageBlock"]
@@ -52,9 +53,7 @@ class StageBlock:
         total: float | None,
     ) -> None:
         for name, value in (("first_token_timeout", first), ("idle_timeout", idle), ("total_timeout", total)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self._lease = lease
         self.stage = normalise_stage(stage)
@@ -85,6 +84,8 @@ class StageBlock:
         """Record one real chunk of a streamed response: progress."""
         if self.block.first_chunk_at is None:
             self.block.first_chunk_at = time.monotonic()
+            if self.block.kind == "stream":
+                metrics.observe("owner_ai_first_token_duration_seconds", self.block.first_chunk_at - self.block.started)
         self.block.chunks += 1
         if self._lease is not None:
             self._lease.progress()
@@ -248,9 +249,16 @@ class ProgressLeasedTask(Task):
             raise
         finally:
             worker.body_finished(lease)
-        if (request.callbacks or request.chain or request.chord) and not worker.still_owner(self, lease):
+        if lease.lost_reason is None:
+            with contextlib.suppress(LeaseLostError):
+                lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
+        if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
             # Celery sends callbacks and the next chain step *before* it stores the result,
             # so the store's fence alone cannot stop a zombie's chain: check now.
+            worker.still_owner(self, lease)
+        if lease.lost_reason is not None and not worker.store_late_result(self, request, retval):
+            # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
+            # event that would show the task on the zombie's worker again.
             raise Ignore()
         return retval
 

@@ -28,16 +28,18 @@ from typing import Any
 
 from celery import Celery, bootsteps, signals
 from celery import states as celery_states
-from celery.app.task import Context
+from celery.app.task import Context, get_actual_ignore_result
 from celery.exceptions import TimeLimitExceeded
 from redis.exceptions import RedisError, ResponseError
 
+from . import events
 from . import signals as fenced_signals
 from .backend import FencedRedisBackend
 from .conf import TaskPolicy, ensure_conf
 from .exceptions import ConfigurationError, LeaseLostError
 from .heartbeat import Heartbeat
 from .lease import LeaseStatus
+from .metrics import count_lease_activity
 from .owner import OwnedLease, current_lease, set_current_lease
 from .reaper import register_reaper_task, request_reap
 
@@ -65,9 +67,7 @@ def connect_worker_hooks(app: Celery) -> None:
     app._celery_fenced_hooks = True
     signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
     signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
-    signals.worker_process_init.connect(
-        _on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init"
-    )
+    signals.worker_process_init.connect(_on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init")
     signals.worker_process_shutdown.connect(
         _on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
     )
@@ -116,6 +116,8 @@ class FencedWorkerStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         check_worker(parent.app, parent.pool_cls)
+        # Set before the pool forks, so prefork children inherit both.
+        events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
 
     def start(self, parent: Any) -> None:
         global _pool_kind
@@ -212,6 +214,7 @@ class WorkerHooks:
         self.app = app
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
+        _event(self.app, "task-lease-lost", lease, reason=reason)
         fenced_signals.lease_lost.send(
             sender=lease.task_name, task_id=lease.task_id, token=lease.token, stage=lease.stage, reason=reason
         )
@@ -219,6 +222,15 @@ class WorkerHooks:
             interrupt(lease)
 
     def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
+        _event(
+            self.app,
+            "task-stalled",
+            lease,
+            bound=bound,
+            allowed=allowed,
+            elapsed=round(elapsed, 3),
+            on_stall=lease.policy.on_stall,
+        )
         fenced_signals.progress_stalled.send(
             sender=lease.task_name,
             task_id=lease.task_id,
@@ -244,9 +256,7 @@ class WorkerHooks:
             limit,
             lease.token,
         )
-        request = Context(
-            id=lease.task_id, task=lease.task_name, fenced_lease=lease, hostname=socket.gethostname()
-        )
+        request = Context(id=lease.task_id, task=lease.task_name, fenced_lease=lease, hostname=socket.gethostname())
         try:
             self.app.backend.store_result(
                 lease.task_id,
@@ -271,6 +281,7 @@ class WorkerHooks:
             if lease.stage == lease.published_stage:
                 continue
             lease.published_stage = lease.stage
+            _event(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
             table = lease.policy.stage_timeouts
             if lease.stage is not None and lease.stage not in table:
                 _log_unknown_stage_once(lease.task_name, lease.stage, lease.policy.default_stage_timeout)
@@ -291,6 +302,19 @@ def _log_unknown_stage_once(task_name: str, stage: str, default: float) -> None:
     )
 
 
+def _event(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
+    events.send(
+        app,
+        event_type,
+        task_id=lease.task_id,
+        token=lease.token,
+        stage=lease.stage,
+        attempt=lease.attempt,
+        name=lease.task_name,
+        **fields,
+    )
+
+
 def interrupt(lease: OwnedLease) -> None:
     """Stop the body of a lease that was lost, unless it already finished.
 
@@ -307,9 +331,7 @@ def interrupt(lease: OwnedLease) -> None:
             os.kill(os.getpid(), signal.SIGUSR1)
             return
         logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(lease.thread_id), ctypes.py_object(LeaseLostError)
-        )
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(lease.thread_id), ctypes.py_object(LeaseLostError))
 
 
 def body_finished(lease: OwnedLease) -> None:
@@ -338,6 +360,26 @@ def still_owner(task: Any, lease: OwnedLease) -> bool:
         lease.token,
         lease.lost_reason,
     )
+    return False
+
+
+def store_late_result(task: Any, request: Any, retval: Any) -> bool:
+    """Try the result of an owner whose lease was lost through the fence; True if it landed.
+
+    It lands only if no newer token owns the task (the loss was local: no renewal came
+    within the TTL, but nobody took over). A refused write is logged, counted and reported
+    by the backend like any stale write.
+    """
+    if get_actual_ignore_result(task, request):
+        return False
+    try:
+        task.backend.store_result(request.id, retval, celery_states.SUCCESS, request=request)
+    except Exception:
+        logger.exception("could not store the late result of task %s", request.id)
+        return False
+    if getattr(request, "fenced_write", None) == "stored":
+        request.fenced_result_stored = True  # the trace's own write of it is skipped
+        return True
     return False
 
 
@@ -387,9 +429,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
     try:
         result = backend.ensure(acquire_once, ())
     except TypeError:
-        logger.warning(
-            "the call of task %s is not JSON-serialisable: the reaper cannot re-send it", request.id
-        )
+        logger.warning("the call of task %s is not JSON-serialisable: the reaper cannot re-send it", request.id)
         acquire_once.keywords["call"] = None
         result = backend.ensure(acquire_once, ())
     if not result.outcome.runs:
@@ -431,6 +471,8 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         lease.attempt,
         f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
     )
+    # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
+    _event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,
@@ -456,6 +498,7 @@ def release(task: Any, request: Any, state: str | None) -> None:
             lease.ended = True
             return
         lease.ended = True
+    count_lease_activity(lease, ended=True)
     conf = ensure_conf(task.app)
     backend = task.backend
     due_ms = 0

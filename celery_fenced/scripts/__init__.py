@@ -16,7 +16,18 @@ from redis.commands.core import Script
 __all__ = ["SCRIPT_NAMES", "ScriptSet", "script_source"]
 
 #: Every script the package runs; ``<name>.lua`` must exist beside this module.
-SCRIPT_NAMES = ("acquire", "renew", "lapse", "release", "store", "claim", "cancel", "redrive")
+SCRIPT_NAMES = (
+    "acquire",
+    "renew",
+    "lapse",
+    "release",
+    "store",
+    "claim",
+    "cancel",
+    "redrive",
+    "metrics",
+    "fenced_write",
+)
 
 
 @cache
@@ -39,3 +50,4 @@ class ScriptSet:
         self.claim: Script = client.register_script(script_source("claim"))
         self.cancel: Script = client.register_script(script_source("cancel"))
         self.redrive: Script = client.register_script(script_source("redrive"))
+        self.metrics: Script = client.register_script(script_source("metrics"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,9 +75,7 @@ class Cluster:
         app._local.__dict__.pop("backend", None)
         return fenced_app
 
-    def worker(
-        self, name: str, pool: str = "prefork", concurrency: int = 2, **settings: Any
-    ) -> CeleryProcess:
+    def worker(self, name: str, pool: str = "prefork", concurrency: int = 2, **settings: Any) -> CeleryProcess:
         """Start a worker process and wait until it is ready."""
         argv = [
             "-A",
@@ -113,6 +113,22 @@ class Cluster:
         proc = CeleryProcess("beat", argv, self.env(**settings), self.tmp_path / "beat.log", "beat: Starting")
         self.processes.append(proc)
         return proc.wait_ready()
+
+    def command(self, name: str, argv: list[str], ready: str, **env: str) -> CeleryProcess:
+        """Start another ``celery -A <app> …`` command (Flower, the metrics exporter)."""
+        proc = CeleryProcess(name, ["-A", APP, *argv], {**self.env(), **env}, self.tmp_path / f"{name}.log", ready)
+        self.processes.append(proc)
+        return proc.wait_ready()
+
+    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """Run ``celery -A <app> fenced …`` to completion."""
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", APP, "fenced", *argv],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def runs(self, task_id: str) -> list[dict[str, Any]]:
         """What each body execution of ``task_id`` recorded."""

@@ -115,7 +115,7 @@ def test_a_zombie_in_a_chain_neither_stores_nor_sends_the_next_step(cluster: Clu
     cluster.wait_runs(first_id, 2, timeout=20)  # taken over
     assert result.get(timeout=20) == "b"
     cluster.wake(first_id)
-    wait_until(lambda: "callbacks and chain not sent" in worker.log(), 15, "the zombie to be stopped")
+    wait_until(lambda: "stale write dropped" in worker.log(), 15, "the zombie to be stopped")
     time.sleep(0.5)  # give a wrongly sent next step the time to show up
     assert cluster.record.llen("chain:b") == 1
     assert stored(cluster, first_id)["result"] == "zombie-a"  # type: ignore[index]

@@ -81,9 +81,7 @@ def test_sigstop_of_a_whole_worker_then_sigcont(cluster: Cluster) -> None:
         assert result.get(timeout=20) == f"steps by {runs[1]['token']}"
     finally:
         w1.signal_group(signal.SIGCONT)
-    lost = wait_until(
-        lambda: cluster.record.lrange(f"lost:{result.id}", 0, -1), 15, "the zombie's progress() to raise"
-    )
+    lost = wait_until(lambda: cluster.record.lrange(f"lost:{result.id}", 0, -1), 15, "the zombie's progress() to raise")
     assert "expired" in lost[0] or "taken over" in lost[0]  # type: ignore[index]
     meta = assert_finished_once_by_current_owner(cluster, result.id)
     assert meta["fence_token"] == runs[1]["token"]
@@ -117,9 +115,7 @@ def test_redis_restarted_while_tasks_run(own_cluster: Cluster) -> None:
     time.sleep(4)  # an outage longer than the 3 s TTL: the fault under test, not a synchronisation
     cluster.server.start()
     for result in results:
-        wait_until(
-            lambda r=result: (stored(cluster, r.id) or {}).get("status") == "SUCCESS", 60, f"task {result.id}"
-        )
+        wait_until(lambda r=result: (stored(cluster, r.id) or {}).get("status") == "SUCCESS", 60, f"task {result.id}")
     for result in results:
         meta = assert_finished_once_by_current_owner(cluster, result.id)
         assert meta["result"] == f"steps by {meta['fence_token']}"
@@ -181,9 +177,7 @@ def test_alert_task_is_not_reenqueued_for_a_stall_but_is_when_its_owner_is_gone(
     wait_until(lambda: lease(cluster, result.id).get("status") == "STALLED", 10, "STALLED")
     beat = next(p for p in cluster.processes if p.name == "beat")
     sent = beat.log().count("Sending due task celery_fenced.reap")
-    wait_until(
-        lambda: beat.log().count("Sending due task celery_fenced.reap") >= sent + 2, 10, "two reaper runs"
-    )
+    wait_until(lambda: beat.log().count("Sending due task celery_fenced.reap") >= sent + 2, 10, "two reaper runs")
     assert len(cluster.runs(result.id)) == 1  # a stalled alert task is never re-enqueued
     w1.signal_group(signal.SIGKILL)  # now the owner is gone
     runs = cluster.wait_runs(result.id, 2, timeout=20)
@@ -236,9 +230,7 @@ def test_an_acks_late_redelivery_after_a_takeover_does_not_run_a_third_time(clus
     runs = cluster.wait_runs(result.id, 2, timeout=20)
     assert result.get(timeout=20) == f"owner {runs[1]['token']} late"
     # The zombie never acked: its message comes back after the visibility timeout.
-    wait_until(
-        lambda: "not run: done delivery" in "".join(p.log() for p in cluster.processes), 30, "the redelivery"
-    )
+    wait_until(lambda: "not run: done delivery" in "".join(p.log() for p in cluster.processes), 30, "the redelivery")
     assert len(cluster.runs(result.id)) == 2
     cluster.wake(result.id)
     assert "lease acquired" in w1.log()

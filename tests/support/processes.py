@@ -36,9 +36,7 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
 class CeleryProcess:
     """One ``celery`` command (worker, beat, flower) running in its own process group."""
 
-    def __init__(
-        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, ready_text: str
-    ) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, ready_text: str) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path

@@ -68,9 +68,7 @@ def test_stage_names_are_normalised(name: str) -> None:
 
 
 def test_stage_table_lookup_and_default() -> None:
-    policy = ensure_conf(
-        make_app(fenced_stage_timeouts={"Call_AI": 90}, fenced_default_stage_timeout=7)
-    ).policy
+    policy = ensure_conf(make_app(fenced_stage_timeouts={"Call_AI": 90}, fenced_default_stage_timeout=7)).policy
     assert policy.stage_timeout("call-ai") == 90
     assert policy.stage_timeout("persist-result") == 7
     assert policy.stage_timeout(None) == 7

@@ -86,9 +86,7 @@ def test_global_keyprefix_is_in_front_of_every_key_and_slots_still_match() -> No
 # -- acquire ---------------------------------------------------------------------------
 
 
-def test_first_acquire_takes_token_and_writes_every_field(
-    store: LeaseStore, redis_client: redis.Redis
-) -> None:
+def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, redis_client: redis.Redis) -> None:
     before = server_ms(redis_client)
     result = acquire(store, call={"args": [1], "kwargs": {}}, stage="start")
     assert result.outcome is AcquireOutcome.NEW
@@ -189,9 +187,7 @@ def test_tokens_are_globally_monotonic_across_task_ids_and_lost_leases(
 # -- renew -----------------------------------------------------------------------------
 
 
-def test_renew_extends_and_publishes_progress_from_server_time(
-    store: LeaseStore, redis_client: redis.Redis
-) -> None:
+def test_renew_extends_and_publishes_progress_from_server_time(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store).state
     codes = store.renew_many([renew_req(state, stage="load-data", progress_version=2, progress_age_ms=400)])
     assert codes == ["ok"]
@@ -382,19 +378,13 @@ def test_store_with_stale_token_writes_nothing(store: LeaseStore, redis_client: 
 def test_started_and_custom_states_keep_the_lease_running(store: LeaseStore) -> None:
     state = acquire(store).state
     for name in ("STARTED", "PROGRESSING"):
-        assert store.store(
-            "t1", state.owner_token, name.encode(), state=name, kind="other", expires_ms=0
-        ).stored
+        assert store.store("t1", state.owner_token, name.encode(), state=name, kind="other", expires_ms=0).stored
         assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
 
 
-def test_retry_makes_the_lease_retrying_until_eta_plus_timeout(
-    store: LeaseStore, redis_client: redis.Redis
-) -> None:
+def test_retry_makes_the_lease_retrying_until_eta_plus_timeout(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store).state
-    result = store.store(
-        "t1", state.owner_token, b"r", state="RETRY", kind="retry", expires_ms=0, retry_due_ms=10_000
-    )
+    result = store.store("t1", state.owner_token, b"r", state="RETRY", kind="retry", expires_ms=0, retry_due_ms=10_000)
     assert result.stored and result.detail == "RETRYING"
     after = store.read("t1")
     assert after is not None and after.lease_expire_at is not None
@@ -441,29 +431,21 @@ def test_tokenless_write_from_another_host_is_dropped(store: LeaseStore, redis_c
         writer_host="celery@w1",
         worker_lost=True,
     )
-    limit = store.store(
-        "t1", None, b"x", state="FAILURE", kind="ready", expires_ms=0, writer_host="celery@w1"
-    )
+    limit = store.store("t1", None, b"x", state="FAILURE", kind="ready", expires_ms=0, writer_host="celery@w1")
     assert lost.code == "foreign" and limit.code == "foreign"
     assert redis_client.get(store.keys.result("t1")) is None
 
 
 def test_tokenless_revoke_is_terminal(store: LeaseStore, redis_client: redis.Redis) -> None:
     acquire(store, owner="celery@w2/5/a")
-    result = store.store(
-        "t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer_host="celery@w1"
-    )
+    result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer_host="celery@w1")
     assert result.stored
     assert store.read("t1").status == "DONE"  # type: ignore[union-attr]
 
 
 def test_write_without_a_lease_behaves_like_celery(store: LeaseStore, redis_client: redis.Redis) -> None:
-    assert store.store(
-        "plain", None, b'{"status": "STARTED"}', state="STARTED", kind="other", expires_ms=0
-    ).stored
-    assert store.store(
-        "plain", None, b'{"status": "SUCCESS"}', state="SUCCESS", kind="ready", expires_ms=5000
-    ).stored
+    assert store.store("plain", None, b'{"status": "STARTED"}', state="STARTED", kind="other", expires_ms=0).stored
+    assert store.store("plain", None, b'{"status": "SUCCESS"}', state="SUCCESS", kind="ready", expires_ms=5000).stored
     again = store.store("plain", None, b'{"status": "FAILURE"}', state="FAILURE", kind="ready", expires_ms=0)
     assert again.code == "sticky"
     assert redis_client.get(store.keys.result("plain")) == b'{"status": "SUCCESS"}'
@@ -479,9 +461,7 @@ def abandoned_meta(task_id: str, token: int) -> bytes:
 
 def claim(store: LeaseStore, *task_ids: str, grace: int = 0, requeue: int = 60_000):  # type: ignore[no-untyped-def]
     ids = list(task_ids) or store.due_task_ids(100)
-    return store.claim_due(
-        ids, grace_ms=grace, requeue_ms=requeue, abandoned_meta=abandoned_meta, expires_ms=0
-    )
+    return store.claim_due(ids, grace_ms=grace, requeue_ms=requeue, abandoned_meta=abandoned_meta, expires_ms=0)
 
 
 def test_claim_leaves_live_leases_and_rescored_index(store: LeaseStore, redis_client: redis.Redis) -> None:
@@ -525,9 +505,7 @@ def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> 
     assert again.code == "requeued" and again.cause == "resend" and again.state.takeovers == 2  # type: ignore[union-attr]
 
 
-def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(
-    store: LeaseStore, redis_client: redis.Redis
-) -> None:
+def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store, max_takeovers=1).state
     store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
     assert claim(store, "t1")[0].code == "requeued"
@@ -596,9 +574,7 @@ def test_tokens_strictly_increase_through_claim_and_acquire_races(store: LeaseSt
 # -- cancel, redrive, reads --------------------------------------------------------------
 
 
-def test_cancel_fences_the_owner_and_stops_later_deliveries(
-    store: LeaseStore, redis_client: redis.Redis
-) -> None:
+def test_cancel_fences_the_owner_and_stops_later_deliveries(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store).state
     assert store.cancel("t1", lambda token: f"revoked:{token}".encode(), expires_ms=0) == "cancelled"
     after = store.read("t1")

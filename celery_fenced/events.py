@@ -1,0 +1,92 @@
+"""Celery events for Flower: what the heartbeat and the reaper saw, per task.
+
+Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progress`` (a stage
+change, sent by the heartbeat after the renewal that published it), ``task-stalled``,
+``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``. They go
+through the app's event dispatcher with an explicit uuid (the heartbeat thread has no task
+request), only when task events are on (``-E`` or ``worker_send_task_events``), and never
+from ``progress()``. Sending is best effort: a broker error drops the event, not the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from celery import Celery
+
+__all__ = ["EVENT_TYPES", "configure", "send"]
+
+logger = logging.getLogger("celery_fenced.events")
+
+EVENT_TYPES = (
+    "task-progress",
+    "task-stalled",
+    "task-lease-lost",
+    "task-takeover",
+    "task-fenced",
+    "task-abandoned",
+)
+
+_settings: dict[str, Any] = {"enabled": None, "hostname": None}
+_dispatchers: dict[tuple[int, int], Any] = {}
+_lock = threading.Lock()
+
+
+def configure(*, enabled: bool | None = None, hostname: str | None = None) -> None:
+    """Set, for this process and its forks, whether events are on and the sender's name."""
+    if enabled is not None:
+        _settings["enabled"] = enabled
+    if hostname is not None:
+        _settings["hostname"] = hostname
+
+
+def enabled(app: Celery) -> bool:
+    """True when task events are on for this worker (``-E``) or by setting."""
+    flag = _settings["enabled"]
+    if flag is None:
+        flag = bool(app.conf.worker_send_task_events)
+    return bool(flag)
+
+
+def _dispatcher(app: Celery) -> Any:
+    key = (os.getpid(), id(app))
+    dispatcher = _dispatchers.get(key)
+    if dispatcher is None:
+        for stale in [k for k in _dispatchers if k[0] != key[0]]:
+            del _dispatchers[stale]  # inherited through fork: its connection is the parent's
+        hostname = _settings["hostname"] or f"celery@{socket.gethostname()}"
+        dispatcher = app.events.Dispatcher(
+            app.connection_for_write(), hostname=hostname, enabled=True, buffer_while_offline=False
+        )
+        _dispatchers[key] = dispatcher
+    return dispatcher
+
+
+def send(
+    app: Celery,
+    event_type: str,
+    *,
+    task_id: str,
+    token: int,
+    stage: str | None,
+    attempt: int,
+    **fields: Any,
+) -> bool:
+    """Send one event about ``task_id``; returns False when events are off or sending failed."""
+    if event_type not in EVENT_TYPES:
+        raise ValueError(f"unknown event type {event_type!r}")
+    if not enabled(app):
+        return False
+    try:
+        with _lock:
+            _dispatcher(app).send(event_type, uuid=task_id, token=token, stage=stage or "", attempt=attempt, **fields)
+    except Exception as exc:
+        logger.debug("could not send %s for %s: %r", event_type, task_id, exc)
+        with _lock:
+            _dispatchers.pop((os.getpid(), id(app)), None)
+        return False
+    return True

@@ -1,0 +1,126 @@
+"""Watching it: the ``celery fenced`` command, cluster-wide metrics and Flower, all real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from port_for import get_port
+
+from tests.integration.conftest import Cluster
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def zombie_scenario(cluster: Cluster) -> tuple[str, list]:  # type: ignore[type-arg]
+    """A stalled owner, a takeover, then the zombie's late SUCCESS refused."""
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    result = app.zombie_once.delay("obs")
+    cluster.wait_runs(result.id, 1)
+    cluster.worker("w2", concurrency=1)
+    runs = cluster.wait_runs(result.id, 2, timeout=20)
+    assert result.get(timeout=20).startswith("owner ")
+    cluster.wake(result.id)
+    wait_until(lambda: "stale write dropped" in w1.log(), 15, "the zombie's write to be refused")
+    return result.id, runs
+
+
+def test_every_subcommand_answers_help(cluster: Cluster) -> None:
+    for sub in ("status", "inspect", "cancel", "redrive", "metrics", "tune", "flower"):
+        done = cluster.cli(sub, "--help")
+        assert done.returncode == 0, done.stderr
+        assert f"celery fenced {sub} [OPTIONS]" in done.stdout
+
+
+def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.progress_until_told.delay()
+    wait_until(lambda: cluster.runs(result.id), 10, "the task to start")
+    wait_until(lambda: result.id in cluster.cli("status").stdout, 10, "the lease in the status table")
+    status = cluster.cli("status").stdout
+    header, row = status.splitlines()[0], next(line for line in status.splitlines() if result.id in line)
+    for column in ("TASK ID", "NAME", "OWNER", "TOKEN", "STAGE", "SINCE PROGRESS", "LEFT", "ATTEMPT"):
+        assert column in header
+    assert "RUNNING" in row and "load-data" in row and "w1@" in row
+    [as_json] = [json.loads(line) for line in cluster.cli("status", "--json").stdout.splitlines()]
+    assert as_json["task_id"] == result.id and as_json["token"] == 1 and as_json["seconds_left"] > 0
+    inspected = json.loads(cluster.cli("inspect", result.id).stdout)
+    assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == "1"
+    assert cluster.cli("inspect", "no-such-task").returncode != 0
+    assert cluster.cli("cancel", result.id).stdout.strip() == "cancelled"
+    wait_until(lambda: json.loads(cluster.cli("inspect", result.id).stdout)["status"] == "DONE", 10, "DONE")
+    assert cluster.cli("redrive", result.id).returncode == 1  # not abandoned
+    for _ in range(3):
+        app.steady.delay(2, 0.1).get(timeout=15)
+    tune = cluster.cli("tune", "--floor", "0.5", "--factor", "2")
+    assert tune.returncode == 0, tune.stderr
+    assert "load-data" in tune.stdout and "SUGGESTED" in tune.stdout
+    suggested = json.loads(tune.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    assert suggested["load-data"] >= 0.5
+
+
+def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> None:
+    zombie_scenario(cluster)
+    port = get_port(None)
+    cluster.command("metrics", ["fenced", "metrics", "--port", str(port)], "celery-fenced metrics on")
+
+    def scrape() -> str:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+    def value(text: str, sample: str) -> float:
+        match = re.search(rf"^{re.escape(sample)} ([0-9.e+-]+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    wait_until(lambda: value(scrape(), "owner_fencing_rejected_total") >= 1, 15, "the refused write to be counted")
+    text = scrape()
+    assert value(text, 'owner_takeover_total{cause="stalled"}') == 1
+    assert value(text, 'owner_takeover_total{cause="gone"}') == 0
+    assert value(text, "owner_fencing_rejected_total") == 1
+    assert value(text, "owner_false_takeover_total") == 1
+    assert value(text, "owner_no_progress_timeout_total") == 1
+    assert value(text, "owner_lease_renew_total") >= 1
+    assert value(text, "owner_heartbeat_total") >= 1
+    assert value(text, "owner_progress_update_total") >= 2
+    assert value(text, "owner_stream_idle_timeout_total") == 0
+    assert 'owner_stage_duration_seconds_count{stage="load-data"}' in text or "owner_stage_duration_seconds" in text
+    assert "owner_task_total_duration_seconds_count" in text
+    for name in ("owner_ai_first_token_duration_seconds",):
+        assert f"# TYPE {name} histogram" in text
+
+
+def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> None:
+    port = get_port(None)
+    cluster.app()
+    flower = cluster.command(
+        "flower",
+        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+        "Visit me at",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
+    base = f"http://127.0.0.1:{port}"
+    task_id, runs = zombie_scenario(cluster)
+
+    def info() -> dict:  # type: ignore[type-arg]
+        response = httpx.get(f"{base}/api/task/info/{task_id}", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+
+    def fenced_events_seen() -> bool:
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        return 'flower_events_total{task="tests.integration.apps.fenced_app.zombie_once",type="task-fenced"' in metrics
+
+    wait_until(fenced_events_seen, 20, "Flower to receive the zombie's task-fenced event")
+    task = info()
+    assert task["state"] == "SUCCESS"
+    assert task["token"] == runs[1]["token"] and task["attempt"] == 2
+    assert task["stage"] == "load-data"
+    assert task["worker"].startswith("w2@"), "the zombie's late event flipped the worker back"
+    listing = httpx.get(f"{base}/api/tasks", timeout=5).json()
+    assert listing[task_id]["token"] == runs[1]["token"]
+    page = httpx.get(f"{base}/tasks", timeout=5).text
+    assert "Stage" in page and "Token" in page and "Takeovers" in page
+    assert "Traceback" not in flower.log()

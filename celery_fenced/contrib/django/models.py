@@ -21,7 +21,7 @@ class FencedModel(models.Model):
 
     def fenced_save_fields(self, token: int, **values: Any) -> None:
         """Update this row's ``values`` unless a newer token wrote it (raises ``StaleOwnerError``)."""
-        fenced_update(type(self)._default_manager.filter(pk=self.pk), token, **values)
+        fenced_update(type(self)._default_manager.using(self._state.db).filter(pk=self.pk), token, **values)
         for name, value in values.items():
             setattr(self, name, value)
         self.fence_token = token

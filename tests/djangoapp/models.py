@@ -1,0 +1,15 @@
+"""A model the Django tests write through the fence."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from celery_fenced.contrib.django.models import FencedModel
+
+
+class Report(FencedModel):
+    name = models.CharField(max_length=100)
+    status = models.CharField(max_length=20, default="new")
+
+    class Meta:
+        app_label = "djangoapp"

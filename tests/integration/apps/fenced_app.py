@@ -301,3 +301,24 @@ def soak(self: Any, index: int, stall: bool) -> str:
         raise
     record().rpush(f"completed:{self.request.id}", self.fencing_token)
     return f"{index} by {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def stream_ai(self: Any, url: str, inject: str, first: float, idle: float, total: float) -> list[str]:
+    """Streams from the stand-in AI provider inside ``self.stream(...)``."""
+    import httpx
+
+    note_run(self)
+    attempt = record().llen(f"runs:{self.request.id}")
+    chunks: list[str] = []
+    try:
+        with self.stream("call-ai", first_token_timeout=first, idle_timeout=idle, total_timeout=total) as stream:
+            params = {"report": self.request.id, "inject": inject if attempt == 1 else ""}
+            with httpx.stream("GET", f"{url}/v1/stream", params=params, timeout=None) as response:
+                for line in stream.wrap(response.iter_lines()):
+                    if line:
+                        chunks.append(line)
+    except LeaseLostError as exc:
+        record().rpush(f"lost:{self.request.id}", exc.reason)
+        raise
+    return chunks

@@ -1,0 +1,1 @@
+"""The AI report pipeline of the example project."""

@@ -200,6 +200,7 @@ _SIMPLE_CODES = {
     "claim": frozenset({"requeued", "abandoned", "not-due", "finished", "missing", "retry-later"}),
     "cancel": frozenset({"cancelled", "finished", "retry-later"}),
     "redrive": frozenset({"redriven", "not-abandoned", "missing"}),
+    "expire": frozenset({"expired", "not-live", "missing"}),
 }
 
 
@@ -427,6 +428,11 @@ class LeaseStore:
             self.keys.index,
         ]
         return _checked("redrive", self.scripts.redrive(keys=keys, args=[])[0])
+
+    def expire_now(self, task_id: str) -> str:
+        """Make a live lease due for takeover now (for operators and tests)."""
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        return _checked("expire", self.scripts.expire(keys=keys, args=[])[0])
 
     # -- reads --------------------------------------------------------------------------
 

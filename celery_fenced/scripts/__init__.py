@@ -27,6 +27,7 @@ SCRIPT_NAMES = (
     "redrive",
     "metrics",
     "fenced_write",
+    "expire",
 )
 
 
@@ -51,3 +52,4 @@ class ScriptSet:
         self.cancel: Script = client.register_script(script_source("cancel"))
         self.redrive: Script = client.register_script(script_source("redrive"))
         self.metrics: Script = client.register_script(script_source("metrics"))
+        self.expire: Script = client.register_script(script_source("expire"))

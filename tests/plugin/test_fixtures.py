@@ -1,0 +1,73 @@
+"""The pytest plugin users test their own tasks with: the fixtures and helpers, in use."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery_fenced import LeaseLostError, ProgressLeasedTask
+
+
+def test_a_task_runs_on_the_in_process_worker(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
+    @fenced_app.task(bind=True, base=ProgressLeasedTask)
+    def build(self: Any) -> int:
+        self.progress("load-data")
+        return int(self.fencing_token)
+
+    fenced_worker.reload()
+    result = build.delay()
+    token = result.get(timeout=10)
+    state = fenced_helpers.wait_for_lease(result.id, "DONE")
+    assert token == state.owner_token >= 1
+    fenced_helpers.assert_stale_write_refused(result.id, token - 1 if token > 1 else 1)
+
+
+def test_a_stage_made_to_stall_is_given_up_and_reaped(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
+    lost: list[str] = []
+
+    @fenced_app.task(bind=True, base=ProgressLeasedTask)
+    def slow(self: Any) -> str:
+        self.progress("load-data")
+        try:
+            self.progress("persist-result")  # made to wait 4 s: load-data (2 s) stalls
+        except LeaseLostError as exc:
+            lost.append(exc.reason)
+            raise
+        return "stored"
+
+    fenced_worker.reload()
+    with fenced_helpers.stall_at("persist-result", 4):
+        result = slow.delay()
+        deadline = time.monotonic() + 10
+
+        def stalled() -> bool:
+            state = fenced_helpers.lease(result.id)
+            return state is not None and (state.stalled_at is not None or state.takeovers >= 1)
+
+        while not stalled():
+            assert time.monotonic() < deadline, "the stall was not seen"
+            time.sleep(0.02)
+        fenced_helpers.reap()  # the heartbeat's own reap may come first: either way it is re-sent once
+        assert result.get(timeout=10) == "stored"  # the re-sent copy
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:  # the zombie wakes after its 4 s
+        time.sleep(0.05)
+    assert lost and "stalled" in lost[0]
+    assert fenced_helpers.lease(result.id).takeovers == 1
+
+
+def test_expire_now_makes_a_live_lease_due(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
+    @fenced_app.task(bind=True, base=ProgressLeasedTask)
+    def waits(self: Any) -> None:
+        for _ in range(30):
+            self.progress("load-data")
+            time.sleep(0.1)
+
+    fenced_worker.reload()
+    result = waits.delay()
+    fenced_helpers.wait_for_lease(result.id, "RUNNING")
+    assert fenced_helpers.expire_now(result.id) == "expired"
+    report = fenced_helpers.reap()
+    assert report.requeued == [result.id]
+    assert fenced_helpers.lease(result.id).status in ("REQUEUED", "RUNNING", "DONE")
+    assert fenced_helpers.lease(result.id).takeovers == 1

@@ -56,10 +56,10 @@ class Harness:
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("FENCED_BENCH")})
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def celery(self, *argv: str, ready: str, name: str) -> subprocess.Popen[bytes]:
+    def celery(self, *argv: str, ready: str, name: str, app: str | None = None) -> subprocess.Popen[bytes]:
         log = self.tmp / f"{name}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", self.app_module, *argv],
+            [sys.executable, "-m", "celery", "-A", app or self.app_module, *argv],
             env=self.env,
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
@@ -69,22 +69,18 @@ class Harness:
         wait(lambda: ready in log.read_text(errors="replace"), 60, f"{name} to start")
         return proc
 
-    def worker(self, name: str, pool: str = "prefork", concurrency: int = 2) -> subprocess.Popen[bytes]:
-        return self.celery(
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-n",
-            f"{name}@%h",
-            "-l",
-            "INFO",
-            "--without-mingle",
-            "--without-gossip",
-            ready=" ready.",
-            name=name,
-        )
+    def worker(
+        self, name: str, pool: str = "prefork", concurrency: int = 2, app: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        argv = ["worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO"]
+        argv += ["--without-mingle", "--without-gossip"]
+        return self.celery(*argv, ready=" ready.", name=name, app=app)
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop one process started here."""
+        self.procs.remove(proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
 
     def beat(self) -> subprocess.Popen[bytes]:
         return self.celery(

@@ -28,9 +28,6 @@ app.conf.update(
 app.conf.update(json.loads(os.environ.get("FENCED_BENCH_SETTINGS", "{}")))
 install(app)
 
-plain_app = Celery("bench_plain", broker=f"{REDIS}/2", backend=f"{REDIS}/3")
-plain_app.conf.update(worker_prefetch_multiplier=1, worker_hijack_root_logger=False)
-
 _marks: redis.Redis | None = None
 
 
@@ -60,9 +57,3 @@ def fenced_short(self: Any, seconds: float) -> None:
     """A short fenced task."""
     time.sleep(seconds)
     self.progress("work")
-
-
-@plain_app.task
-def plain_short(seconds: float) -> None:
-    """The same short task, plain Celery."""
-    time.sleep(seconds)

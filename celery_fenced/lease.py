@@ -95,19 +95,11 @@ class LeaseState:
     stalled_at: int | None
     max_takeovers: int
     lease_ttl_ms: int
-    call: Mapping[str, Any] | None = field(repr=False, default=None)
     raw: Mapping[str, str] = field(repr=False, default_factory=dict)
 
     @classmethod
     def from_fields(cls, task_id: str, fields: Mapping[str, str]) -> LeaseState:
         """Build a snapshot from the hash's fields (already decoded to ``str``)."""
-        call_text = fields.get("call")
-        call: Mapping[str, Any] | None = None
-        if call_text:
-            try:
-                call = json.loads(call_text)
-            except ValueError:
-                call = None
         return cls(
             task_id=task_id,
             status=fields.get("status", ""),
@@ -125,7 +117,6 @@ class LeaseState:
             stalled_at=_opt_int(fields, "stalledAt"),
             max_takeovers=_int(fields, "maxTakeovers"),
             lease_ttl_ms=_int(fields, "leaseTtl"),
-            call=call,
             raw=dict(fields),
         )
 
@@ -134,6 +125,18 @@ class LeaseState:
         """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
         items = [_text(v) for v in flat]
         return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
+
+    @property
+    def call(self) -> Mapping[str, Any] | None:
+        """The original call recorded at acquire (``signature_from_request()``), decoded."""
+        text = self.raw.get("call")
+        if not text:
+            return None
+        try:
+            call: Mapping[str, Any] = json.loads(text)
+        except ValueError:
+            return None
+        return call
 
     @property
     def is_live(self) -> bool:

@@ -10,13 +10,29 @@
 -- ARGV[5]  maxTakeovers for this task
 -- ARGV[6]  initial stage, may be ""
 --
--- Returns {code, previous status or "", lease fields as a flat list}:
+-- Returns {code, previous status or "", the owner's lease fields as a flat list}:
 --   "new"        no lease existed: token taken, attempt 1
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired: new token, attempt + 1
 --   "duplicate"  a live owner holds it (RUNNING or STALLED, not expired): do not run
 --   "done"       a result was stored, or the owner ended the task: do not run
 --   "abandoned"  taken over too often: do not run
 redis.replicate_commands()
+
+-- The owner needs only these fields back (not the recorded call, which can be large).
+local function snapshot()
+  local names = {'status', 'ownerId', 'ownerToken', 'attempt', 'takeovers', 'leaseExpireAt',
+    'currentStage', 'taskName'}
+  local values = redis.call('HMGET', KEYS[1], unpack(names))
+  local out = {}
+  for i, name in ipairs(names) do
+    if values[i] then
+      out[#out + 1] = name
+      out[#out + 1] = values[i]
+    end
+  end
+  return out
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
@@ -25,13 +41,13 @@ local status = redis.call('HGET', KEYS[1], 'status')
 local code = 'new'
 if status then
   if status == 'DONE' then
-    return {'done', status, redis.call('HGETALL', KEYS[1])}
+    return {'done', status, snapshot()}
   elseif status == 'ABANDONED' then
-    return {'abandoned', status, redis.call('HGETALL', KEYS[1])}
+    return {'abandoned', status, snapshot()}
   elseif status == 'RUNNING' or status == 'STALLED' then
     local expire_at = tonumber(redis.call('HGET', KEYS[1], 'leaseExpireAt') or '0')
     if expire_at > now then
-      return {'duplicate', status, redis.call('HGETALL', KEYS[1])}
+      return {'duplicate', status, snapshot()}
     end
   end
   code = 'takeover'
@@ -61,4 +77,4 @@ if ARGV[4] ~= '' then
 end
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
-return {code, status, redis.call('HGETALL', KEYS[1])}
+return {code, status, snapshot()}

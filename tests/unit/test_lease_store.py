@@ -90,7 +90,10 @@ def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, red
     before = server_ms(redis_client)
     result = acquire(store, call={"args": [1], "kwargs": {}}, stage="start")
     assert result.outcome is AcquireOutcome.NEW
-    state = result.state
+    assert result.state.owner_token == 1 and result.state.attempt == 1
+    assert "call" not in result.state.raw  # the owner does not need the recorded call back
+    state = store.read("t1")
+    assert state is not None
     assert state.status == "RUNNING"
     assert state.owner_id == "host/1/a"
     assert state.owner_token == 1

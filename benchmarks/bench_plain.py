@@ -1,0 +1,20 @@
+"""The plain Celery app the benchmarks compare against (its own module: fenced tasks are shared
+with every app of a process, and a worker refuses a fenced task without the fenced backend)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery
+
+REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
+
+app = Celery("bench_plain", broker=f"{REDIS}/2", backend=f"{REDIS}/3")
+app.conf.update(worker_prefetch_multiplier=1, worker_disable_prefetch=True, worker_hijack_root_logger=False)
+
+
+@app.task
+def plain_short(seconds: float) -> None:
+    """The same short task as the fenced one, plain Celery."""
+    time.sleep(seconds)

@@ -1,0 +1,39 @@
+"""Run every benchmark and print its figures (each measured beside its baseline in the same run).
+
+python benchmarks/run.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+BENCHMARKS = [
+    ("progress() cost", ["progress_cost.py"], ["progress_cost.py", "--calls", "50000", "--rounds", "3"]),
+    ("throughput and round trips", ["throughput.py"], ["throughput.py", "--tasks", "100", "--rounds", "1"]),
+    ("reaper sweep", ["reaper_sweep.py"], ["reaper_sweep.py", "--sizes", "10000", "--rounds", "1"]),
+    ("takeover latency", ["takeover.py"], ["takeover.py", "--stalls", "6"]),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="all benchmarks")
+    parser.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")
+    args = parser.parse_args()
+    failed = 0
+    for title, full, quick in BENCHMARKS:
+        argv = quick if args.quick else full
+        print(f"== {title} ({' '.join(argv)})", flush=True)
+        done = subprocess.run([sys.executable, str(HERE / argv[0]), *argv[1:]], capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        print("\n".join(lines) if lines else done.stderr[-2000:], flush=True)
+        failed += done.returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Throughput and Redis commands per task: fenced against plain Celery, side by side.
+
+300+ tasks of 2 ms on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
+the fenced backend against a plain task with Celery's Redis backend, several rounds each,
+medians. Also counts the Redis commands per task (``INFO commandstats``) and shows that the
+heartbeat renews 1, 10 or 100 leases of a process in one round trip.
+
+    python benchmarks/throughput.py [--tasks 300] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._harness import Harness
+
+
+def commands(client) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {k: v["calls"] for k, v in client.info("commandstats").items()}
+
+
+def run_round(harness: Harness, task, count: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    before = sum(commands(harness.client).values())
+    start = time.perf_counter()
+    results = [task.delay(0.002) for _ in range(count)]
+    for result in results:
+        result.get(timeout=120)
+    elapsed = time.perf_counter() - start
+    after = sum(commands(harness.client).values())
+    return elapsed, after - before
+
+
+def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
+    from benchmarks import bench_app
+    from celery_fenced.lease import RenewRequest
+
+    store = bench_app.app.backend.lease_store
+    rows = []
+    for leases in (1, 10, 100):
+        states = [
+            store.acquire(f"renew-{leases}-{i}", "bench/1/a", ttl_ms=30_000, task_name="bench", max_takeovers=3).state
+            for i in range(leases)
+        ]
+        requests = [RenewRequest(s.task_id, "bench/1/a", s.owner_token, 30_000, "", 1, 0) for s in states]
+        harness.client.config_resetstat()
+        store.renew_many(requests)
+        calls = sum(v for k, v in commands(harness.client).items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+        rows.append((leases, calls))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="fenced vs plain Celery throughput")
+    parser.add_argument("--tasks", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with Harness("benchmarks.bench_app") as harness:
+        from benchmarks import bench_app, bench_plain
+
+        rows = {}
+        for label, app_path, task in (
+            ("plain", "benchmarks.bench_plain", bench_plain.plain_short),
+            ("fenced", "benchmarks.bench_app:app", bench_app.fenced_short),
+        ):
+            worker = harness.worker(label, concurrency=2, app=app_path)
+            run_round(harness, task, 20)  # warm up
+            rounds = [run_round(harness, task, args.tasks) for _ in range(args.rounds)]
+            harness.stop(worker)
+            rows[label] = (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
+        (fenced, fenced_cmds), (plain, plain_cmds) = rows["fenced"], rows["plain"]
+        print(f"{args.tasks} tasks of 2 ms, prefork c=2, Redis broker, median of {args.rounds} rounds")
+        print(f"  plain Celery      {args.tasks / plain:8.1f} tasks/s")
+        print(f"  celery-fenced     {args.tasks / fenced:8.1f} tasks/s")
+        print(f"  time ratio fenced/plain = {fenced / plain:.3f} (target <= 1.10)")
+        print(
+            f"  Redis commands per task: plain {plain_cmds / args.tasks:.1f}, "
+            f"fenced {fenced_cmds / args.tasks:.1f} (heartbeat renewals included)"
+        )
+        for leases, calls in renew_round_trips(harness):
+            print(f"  renewing {leases:>3} leases of one process: {calls} script call(s), one round trip")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

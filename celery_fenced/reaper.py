@@ -10,11 +10,14 @@ dies between claim and send loses nothing. Task ids that will be re-sent are nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
+from celery._state import _task_stack
 
 from . import events, signals
 from .conf import ensure_conf
@@ -168,13 +171,34 @@ def resend(app: Celery, state: LeaseState) -> Any:
     headers = dict(options.pop("headers", None) or {})
     headers[TAKEOVER_HEADER] = state.takeovers
     options["task_id"] = state.task_id
-    return app.send_task(
-        call.get("task") or state.task_name,
-        args=call.get("args") or (),
-        kwargs=call.get("kwargs") or {},
-        headers=headers,
-        **options,
-    )
+    with _outside_any_task():
+        return app.send_task(
+            call.get("task") or state.task_name,
+            args=call.get("args") or (),
+            kwargs=call.get("kwargs") or {},
+            headers=headers,
+            add_to_parent=False,
+            **options,
+        )
+
+
+@contextlib.contextmanager
+def _outside_any_task() -> Iterator[None]:
+    """Send as if no task were running: a re-sent call keeps its own parent and root ids.
+
+    Inside the reap task, ``send_task`` would otherwise make the reaper the parent of every
+    task it re-sends (and pass on its priority).
+    """
+    local = _task_stack._local
+    saved = getattr(local, "stack", None)
+    local.stack = []
+    try:
+        yield
+    finally:
+        if saved is None:
+            del local.stack
+        else:
+            local.stack = saved
 
 
 def request_reap(app: Celery) -> None:

@@ -15,5 +15,6 @@ autodoc_default_options = {"undoc-members": False}
 napoleon_google_docstring = True
 html_theme = "alabaster"
 exclude_patterns = ["_build"]
+html_static_path = ["_static"]
 nitpicky = False
 suppress_warnings = ["autodoc.import_object"]

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -124,3 +128,48 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
     page = httpx.get(f"{base}/tasks", timeout=5).text
     assert "Stage" in page and "Token" in page and "Takeovers" in page
     assert "Traceback" not in flower.log()
+
+
+def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path: Path) -> None:
+    """A headless-Chromium picture of a task page after a takeover (the one in the docs)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium here (.ci/run installs Debian's chromium)")
+    port = get_port(None)
+    cluster.app()
+    cluster.command(
+        "flower",
+        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+        "Visit me at",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
+    task_id, runs = zombie_scenario(cluster)
+    page = f"http://127.0.0.1:{port}/task/{task_id}"
+    shows_token = re.compile(rf"Token</dt>\s*<dd>\s*{runs[1]['token']}\s*</dd>")
+    wait_until(lambda: shows_token.search(httpx.get(page, timeout=5).text), 20, "the task page to show the new token")
+    picture = tmp_path / "flower-task.png"
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1280,1700",
+            f"--screenshot={picture}",
+            page,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=90,
+    )
+    data = picture.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    target = os.environ.get("FENCED_SCREENSHOT_TO")
+    if target:
+        shutil.copy(picture, target)

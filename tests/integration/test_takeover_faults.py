@@ -64,6 +64,7 @@ def test_zombie_is_taken_over_by_another_worker(cluster: Cluster) -> None:
     wait_until(lambda: "stale write dropped" in w1.log(), 15, "the zombie's write to be refused")
     meta = assert_finished_once_by_current_owner(cluster, result.id)
     assert meta["result"] == f"owner {runs[1]['token']} x"
+    assert "parent_id" not in meta, "the re-sent call must keep its own parent, not the reaper"
     assert "lease acquired" in w2.log()
 
 

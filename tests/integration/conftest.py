@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_fenced.keys import KeySpace
 from tests.support.processes import CeleryProcess, wait_until
 from tests.support.redis_server import RedisServer, default_binary
 
@@ -28,6 +29,20 @@ def rabbitmq_url() -> str | None:
     if os.environ.get("FENCED_TEST_BROKER", "redis") != "rabbitmq":
         return None
     return os.environ.get("FENCED_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+KEYS = KeySpace.build("fenced", "celery-task-meta-")
+
+
+def stored(cluster: Cluster, task_id: str) -> dict[str, Any] | None:
+    """The result meta stored for ``task_id`` (decoded), or ``None``."""
+    raw = cluster.results.get(KEYS.result(task_id))
+    return json.loads(raw) if raw else None
+
+
+def lease(cluster: Cluster, task_id: str) -> dict[str, str]:
+    """The raw fields of ``task_id``'s lease hash."""
+    return {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
 
 
 class Cluster:

@@ -7,7 +7,6 @@ number of body executions.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,22 +15,10 @@ import uuid
 import pytest
 from celery import chain
 
-from celery_fenced.keys import KeySpace
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import KEYS, Cluster, lease, stored
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
-
-KEYS = KeySpace.build("fenced", "celery-task-meta-")
-
-
-def stored(cluster: Cluster, task_id: str) -> dict | None:  # type: ignore[type-arg]
-    raw = cluster.results.get(KEYS.result(task_id))
-    return json.loads(raw) if raw else None
-
-
-def lease(cluster: Cluster, task_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
 
 
 def test_a_progressing_task_keeps_its_lease_past_many_ttls(cluster: Cluster) -> None:

@@ -7,7 +7,6 @@ lease's current token, and the body ran exactly as often as it had to.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -17,23 +16,11 @@ import uuid
 import pytest
 
 from celery_fenced.control import cancel, redrive
-from celery_fenced.keys import KeySpace
 from celery_fenced.reaper import reap
-from tests.integration.conftest import Cluster, rabbitmq_url
+from tests.integration.conftest import KEYS, Cluster, lease, rabbitmq_url, stored
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
-
-KEYS = KeySpace.build("fenced", "celery-task-meta-")
-
-
-def stored(cluster: Cluster, task_id: str) -> dict | None:  # type: ignore[type-arg]
-    raw = cluster.results.get(KEYS.result(task_id))
-    return json.loads(raw) if raw else None
-
-
-def lease(cluster: Cluster, task_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
 
 
 def assert_finished_once_by_current_owner(cluster: Cluster, task_id: str) -> dict:  # type: ignore[type-arg]

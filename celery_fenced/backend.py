@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import states
 from celery.backends.base import _is_request_ignore_result
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 from kombu.utils.encoding import bytes_to_str
 
@@ -34,7 +34,7 @@ from .metrics import buffer as metrics
 from .metrics import count_lease_activity
 from .owner import OwnedLease
 
-__all__ = ["REFUSED_WRITES", "FencedRedisBackend"]
+__all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
 
 logger = logging.getLogger("celery_fenced.backend")
 
@@ -62,6 +62,14 @@ class FencedRedisBackend(RedisBackend):
     The leases live beside the results, in this backend's Redis (same server, same
     database), so a result write and the end of its lease are one script.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FencedRedisBackend:
+        # "fenced+sentinel://…" reaches this class with url="sentinel://…": serve it with
+        # the Sentinel variant, so one entry point covers every Redis URL form.
+        url = str(kwargs.get("url") or "")
+        if cls is FencedRedisBackend and url.startswith("sentinel"):
+            cls = FencedSentinelBackend
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -265,3 +273,11 @@ class FencedRedisBackend(RedisBackend):
     def failure_expires_ms(self) -> int:
         """The expiry of a FAILURE result in milliseconds (0: none)."""
         return self._expires_ms(states.FAILURE)
+
+
+class FencedSentinelBackend(FencedRedisBackend, SentinelBackend):
+    """The fenced backend over Redis Sentinel: ``fenced+sentinel://host:26379;sentinel://…/db``.
+
+    Give the master's name as Celery does, in ``result_backend_transport_options``
+    (``{"master_name": "mymaster"}``).
+    """

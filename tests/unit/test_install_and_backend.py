@@ -88,3 +88,48 @@ def test_a_unix_socket_url_works(redis_server: RedisServer, tmp_path: Path) -> N
     assert backend.lease_store.acquire("u1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).outcome.runs
     assert redis.Redis(unix_socket_path=socket_path, db=8).exists("fenced:lease:{celery-task-meta-u1}") == 1
     redis.Redis(unix_socket_path=socket_path, db=8).flushdb()
+
+
+@pytest.fixture
+def sentinel(redis_server: RedisServer, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real redis-sentinel watching the session's private Redis as master "mymaster"."""
+    import subprocess
+
+    from port_for import get_port
+
+    from tests.support.processes import wait_until
+
+    port = get_port(None)
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor mymaster 127.0.0.1 {redis_server.port} 1\n"
+        "sentinel down-after-milliseconds mymaster 60000\n"
+    )
+    proc = subprocess.Popen([redis_server.executable, str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+
+    def ready() -> bool:
+        try:
+            return bool(client.execute_command("SENTINEL", "get-master-addr-by-name", "mymaster"))
+        except redis.ConnectionError:
+            return False
+
+    wait_until(ready, 15, "the sentinel")
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_sentinel_url_gets_the_fenced_sentinel_backend(sentinel: int, redis_server: RedisServer) -> None:
+    from celery_fenced.backend import FencedSentinelBackend
+
+    backend = backend_of(
+        f"fenced+sentinel://127.0.0.1:{sentinel}/9",
+        result_backend_transport_options={"master_name": "mymaster"},
+    )
+    assert isinstance(backend, FencedSentinelBackend)
+    state = backend.lease_store.acquire("s1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).state
+    assert backend.lease_store.store("s1", state.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0).stored
+    assert redis_server.client(9).exists("celery-task-meta-s1") == 1
+    redis_server.client(9).flushdb()

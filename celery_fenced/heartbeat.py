@@ -44,7 +44,7 @@ REFUSALS = {
 
 
 class HeartbeatHooks(Protocol):
-    """What the heartbeat tells the rest of the package (see :mod:`celery_fenced.worker`)."""
+    """What the heartbeat tells the rest of the package (see :mod:`celery_fenced.attempt`)."""
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         """The lease is lost: tell the body (and interrupt it where configured)."""

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 
-from . import worker
+from . import attempt, worker
 from .conf import normalise_stage
 from .exceptions import LeaseLostError
 from .lease import LeaseState
@@ -229,7 +229,7 @@ class ProgressLeasedTask(Task):
         request = self.request
         skip = getattr(request, "fenced_skip", None)
         if skip == "unavailable":
-            worker.send_again(self, request)
+            attempt.send_again(self, request)
             raise Ignore()
         if skip:
             raise Ignore()
@@ -248,15 +248,15 @@ class ProgressLeasedTask(Task):
                 raise Ignore() from exc
             raise
         finally:
-            worker.body_finished(lease)
+            attempt.body_finished(lease)
         if lease.lost_reason is None:
             with contextlib.suppress(LeaseLostError):
                 lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
         if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
             # Celery sends callbacks and the next chain step *before* it stores the result,
             # so the store's fence alone cannot stop a zombie's chain: check now.
-            worker.still_owner(self, lease)
-        if lease.lost_reason is not None and not worker.store_late_result(self, request, retval):
+            attempt.still_owner(self, lease)
+        if lease.lost_reason is not None and not attempt.store_late_result(self, request, retval):
             # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
             # event that would show the task on the zombie's worker again.
             raise Ignore()

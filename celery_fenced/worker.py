@@ -15,45 +15,25 @@ pools, another result backend, bad settings) and registers ``celery_fenced.reap`
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
-import socket
-import threading
-import time
-import uuid
-from functools import partial
 from typing import Any
 
 from celery import Celery, bootsteps, signals
-from celery import states as celery_states
-from celery.app.task import Context, get_actual_ignore_result
-from celery.exceptions import TimeLimitExceeded
 from redis.exceptions import RedisError, ResponseError
 
 from . import events
-from . import signals as fenced_signals
+from .attempt import acquire, release, set_pool_kind, stop_heartbeats
 from .backend import FencedRedisBackend
-from .conf import TaskPolicy, ensure_conf
-from .exceptions import ConfigurationError, LeaseLostError
-from .heartbeat import Heartbeat
-from .lease import LeaseStatus
-from .metrics import count_lease_activity
-from .owner import OwnedLease, current_lease, set_current_lease
-from .reaper import register_reaper_task, request_reap
+from .conf import ensure_conf
+from .exceptions import ConfigurationError
+from .reaper import register_reaper_task
 
-__all__ = ["connect_worker_hooks", "heartbeat_for"]
+__all__ = ["check_worker", "connect_worker_hooks"]
 
 logger = logging.getLogger("celery_fenced.worker")
 
 _UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
-# The pool of this process: "prefork" in a prefork child (set by worker_process_init),
-# else what the bootstep saw ("threads", "solo", ...). None outside a worker.
-_pool_kind: str | None = None
-_heartbeats: dict[tuple[int, int], Heartbeat] = {}
-_heartbeats_lock = threading.Lock()
 _eviction_checked: set[int] = set()
 
 
@@ -120,8 +100,7 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
 
     def start(self, parent: Any) -> None:
-        global _pool_kind
-        _pool_kind = pool_kind_of(parent.pool_cls)
+        set_pool_kind(pool_kind_of(parent.pool_cls))
         warn_if_redis_can_evict(parent.app)
 
     def stop(self, parent: Any) -> None:
@@ -177,364 +156,6 @@ def warn_if_redis_can_evict(app: Celery) -> None:
         )
 
 
-# -- the heartbeat of this process -------------------------------------------------------------
-
-
-def heartbeat_for(app: Celery, create: bool = True) -> Heartbeat | None:
-    """This process's heartbeat for ``app`` (created on first use; per pid, so fork-safe)."""
-    key = (os.getpid(), id(app))
-    heartbeat = _heartbeats.get(key)
-    if heartbeat is None and create:
-        with _heartbeats_lock:
-            heartbeat = _heartbeats.get(key)
-            if heartbeat is None:
-                for stale in [k for k in _heartbeats if k[0] != key[0]]:
-                    del _heartbeats[stale]  # copied from the parent by fork: no thread here
-                heartbeat = Heartbeat(
-                    store_factory=lambda: app.backend.lease_store,
-                    hooks=WorkerHooks(app),
-                    default_interval=ensure_conf(app).policy.heartbeat_interval,
-                )
-                _heartbeats[key] = heartbeat
-    return heartbeat
-
-
-def stop_heartbeats() -> None:
-    """Stop and join every heartbeat of this process."""
-    pid = os.getpid()
-    for key, heartbeat in list(_heartbeats.items()):
-        if key[0] == pid:
-            heartbeat.stop()
-
-
-class WorkerHooks:
-    """What the heartbeat's findings do in a worker: signals, interrupts, reaps, failures."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-
-    def lost(self, lease: OwnedLease, reason: str) -> None:
-        _event(self.app, "task-lease-lost", lease, reason=reason)
-        fenced_signals.lease_lost.send(
-            sender=lease.task_name, task_id=lease.task_id, token=lease.token, stage=lease.stage, reason=reason
-        )
-        if lease.policy.interrupt_on_loss:
-            interrupt(lease)
-
-    def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-        _event(
-            self.app,
-            "task-stalled",
-            lease,
-            bound=bound,
-            allowed=allowed,
-            elapsed=round(elapsed, 3),
-            on_stall=lease.policy.on_stall,
-        )
-        fenced_signals.progress_stalled.send(
-            sender=lease.task_name,
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            bound=bound,
-            allowed=allowed,
-            elapsed=elapsed,
-            on_stall=lease.policy.on_stall,
-        )
-
-    def released(self, lease: OwnedLease) -> None:
-        request_reap(self.app)
-
-    def duration_exceeded(self, lease: OwnedLease) -> None:
-        limit = lease.policy.max_task_duration
-        if not lease.mark_lost(f"max task duration exceeded ({limit:g}s)"):
-            return
-        logger.error(
-            "task %s[%s] ran past fenced_max_task_duration (%ss): FAILURE stored, token=%s",
-            lease.task_name,
-            lease.task_id,
-            limit,
-            lease.token,
-        )
-        request = Context(id=lease.task_id, task=lease.task_name, fenced_lease=lease, hostname=socket.gethostname())
-        try:
-            self.app.backend.store_result(
-                lease.task_id,
-                TimeLimitExceeded(f"fenced_max_task_duration ({limit:g}s) exceeded"),
-                celery_states.FAILURE,
-                request=request,
-            )
-        except Exception:
-            logger.exception("could not store the max-duration FAILURE of task %s", lease.task_id)
-        fenced_signals.lease_lost.send(
-            sender=lease.task_name,
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            reason=lease.lost_reason,
-        )
-        if lease.policy.interrupt_on_loss:
-            interrupt(lease)
-
-    def renewed(self, leases: list[OwnedLease]) -> None:
-        for lease in leases:
-            if lease.stage == lease.published_stage:
-                continue
-            lease.published_stage = lease.stage
-            _event(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
-            table = lease.policy.stage_timeouts
-            if lease.stage is not None and lease.stage not in table:
-                _log_unknown_stage_once(lease.task_name, lease.stage, lease.policy.default_stage_timeout)
-
-
-_unknown_stages: set[tuple[str, str]] = set()
-
-
-def _log_unknown_stage_once(task_name: str, stage: str, default: float) -> None:
-    if (task_name, stage) in _unknown_stages:
-        return
-    _unknown_stages.add((task_name, stage))
-    logger.info(
-        "task %s: stage %r is not in the stage table; it uses the default deadline (%gs)",
-        task_name,
-        stage,
-        default,
-    )
-
-
-def _event(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
-    events.send(
-        app,
-        event_type,
-        task_id=lease.task_id,
-        token=lease.token,
-        stage=lease.stage,
-        attempt=lease.attempt,
-        name=lease.task_name,
-        **fields,
-    )
-
-
-def interrupt(lease: OwnedLease) -> None:
-    """Stop the body of a lease that was lost, unless it already finished.
-
-    Prefork: SIGUSR1 to this child raises ``SoftTimeLimitExceeded`` in the task thread, even
-    out of a blocking sleep. Threads and solo: an asynchronous ``LeaseLostError`` in the
-    task's thread, raised when that thread next runs Python code (SIGUSR1 would make the
-    main process dump tracebacks there).
-    """
-    with lease.lock:
-        if lease.body_done:
-            return
-        if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
-            logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
-            os.kill(os.getpid(), signal.SIGUSR1)
-            return
-        logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(lease.thread_id), ctypes.py_object(LeaseLostError))
-
-
-def body_finished(lease: OwnedLease) -> None:
-    """The body returned or raised: no interrupt may fire from now on."""
-    with lease.lock:
-        lease.body_done = True
-
-
-def still_owner(task: Any, lease: OwnedLease) -> bool:
-    """Check synchronously (one Redis read) that ``lease`` still owns its task."""
-    try:
-        lease.raise_if_lost()
-        current = task.backend.lease_store.owner_token(lease.task_id)
-    except LeaseLostError:
-        current = None
-    except RedisError as exc:
-        logger.warning("could not verify the lease of task %s: %r", lease.task_id, exc)
-        current = None
-    if current is not None and current[1] == lease.token and current[0] in ("RUNNING", "STALLED"):
-        return True
-    lease.mark_lost("not the owner after the body returned")
-    logger.warning(
-        "lease lost: task %s[%s] token=%s: callbacks and chain not sent, result not stored (%s)",
-        lease.task_name,
-        lease.task_id,
-        lease.token,
-        lease.lost_reason,
-    )
-    return False
-
-
-def store_late_result(task: Any, request: Any, retval: Any) -> bool:
-    """Try the result of an owner whose lease was lost through the fence; True if it landed.
-
-    It lands only if no newer token owns the task (the loss was local: no renewal came
-    within the TTL, but nobody took over). A refused write is logged, counted and reported
-    by the backend like any stale write.
-    """
-    if get_actual_ignore_result(task, request):
-        return False
-    try:
-        task.backend.store_result(request.id, retval, celery_states.SUCCESS, request=request)
-    except Exception:
-        logger.exception("could not store the late result of task %s", request.id)
-        return False
-    if getattr(request, "fenced_write", None) == "stored":
-        request.fenced_result_stored = True  # the trace's own write of it is skipped
-        return True
-    return False
-
-
-def send_again(task: Any, request: Any) -> None:
-    """Send a delivery whose lease could not be acquired (Redis unreachable) again."""
-    logger.error("could not acquire the lease of task %s[%s]: sending it again", task.name, request.id)
-    task.signature_from_request(request).apply_async(countdown=1)
-
-
-# -- acquire and release ------------------------------------------------------------------------
-
-
-def _policy(task: Any) -> TaskPolicy:
-    policy: TaskPolicy | None = task.__dict__.get("_fenced_policy")
-    if policy is None:
-        policy = ensure_conf(task.app).policy_for(task)
-        task._fenced_policy = policy
-    return policy
-
-
-def _call_of(task: Any, request: Any) -> dict[str, Any] | None:
-    try:
-        return dict(task.signature_from_request(request))
-    except Exception:
-        logger.exception("could not record the call of task %s; it cannot be re-sent", request.id)
-        return None
-
-
-def acquire(task: Any, request: Any) -> OwnedLease | None:
-    """Take the lease for this delivery, or mark the request to be skipped."""
-    backend = task.backend
-    if not isinstance(backend, FencedRedisBackend):
-        raise ConfigurationError(f"{task.name} needs result_backend = 'fenced+redis://…'")
-    policy = _policy(task)
-    owner_id = f"{request.hostname or socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
-    call = _call_of(task, request)
-    started = time.monotonic()
-    acquire_once = partial(
-        backend.lease_store.acquire,
-        request.id,
-        owner_id,
-        ttl_ms=policy.lease_ttl_ms,
-        task_name=task.name,
-        max_takeovers=policy.max_takeovers,
-        call=call,
-    )
-    try:
-        result = backend.ensure(acquire_once, ())
-    except TypeError:
-        logger.warning("the call of task %s is not JSON-serialisable: the reaper cannot re-send it", request.id)
-        acquire_once.keywords["call"] = None
-        result = backend.ensure(acquire_once, ())
-    if not result.outcome.runs:
-        request.fenced_skip = result.outcome.value
-        state = result.state
-        logger.info(
-            "task %s[%s] not run: %s delivery (lease %s, owner %s, token %s)",
-            task.name,
-            request.id,
-            result.outcome.value,
-            state.status,
-            state.owner_id,
-            state.owner_token,
-        )
-        return None
-    state = result.state
-    lease = OwnedLease(
-        task_id=request.id,
-        task_name=task.name,
-        owner_id=owner_id,
-        token=state.owner_token,
-        attempt=state.attempt,
-        takeovers=state.takeovers,
-        policy=policy,
-        last_progress=started,
-        renewed=started,
-        started=started,
-    )
-    request.fenced_lease = lease
-    set_current_lease(lease)
-    heartbeat = heartbeat_for(task.app)
-    assert heartbeat is not None
-    heartbeat.register(lease)
-    logger.info(
-        "lease acquired: task %s[%s] token=%s attempt=%s%s",
-        task.name,
-        request.id,
-        lease.token,
-        lease.attempt,
-        f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
-    )
-    # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
-    _event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
-    fenced_signals.lease_acquired.send(
-        sender=task.name,
-        task_id=request.id,
-        token=lease.token,
-        attempt=lease.attempt,
-        takeover=bool(result.previous_status),
-    )
-    return lease
-
-
-def release(task: Any, request: Any, state: str | None) -> None:
-    """End a lease that no result write ended."""
-    lease: OwnedLease | None = getattr(request, "fenced_lease", None)
-    if lease is None:
-        return
-    if current_lease() is lease:
-        set_current_lease(None)
-    heartbeat = heartbeat_for(task.app, create=False)
-    if heartbeat is not None:
-        heartbeat.unregister(lease)
-    with lease.lock:
-        if lease.ended or lease.lost_reason is not None:
-            lease.ended = True
-            return
-        lease.ended = True
-    count_lease_activity(lease, ended=True)
-    conf = ensure_conf(task.app)
-    backend = task.backend
-    due_ms = 0
-    if state == celery_states.RETRY:
-        target = LeaseStatus.RETRYING
-        delay = float(getattr(request, "fenced_retry_delay", 0) or 0)
-        due_ms = int((delay + conf.requeue_timeout) * 1000)
-    elif state == celery_states.REJECTED and getattr(request, "fenced_reject_requeue", False):
-        target = LeaseStatus.REQUEUED
-        due_ms = int(conf.requeue_timeout * 1000)
-    else:
-        target = LeaseStatus.DONE
-    release_once = partial(
-        backend.lease_store.release,
-        lease.task_id,
-        lease.owner_id,
-        lease.token,
-        status=target,
-        due_in_ms=due_ms,
-        keep_ms=backend._expires_ms(celery_states.SUCCESS),
-    )
-    try:
-        code = backend.ensure(release_once, ())
-    except Exception:
-        logger.exception("could not end the lease of task %s; it will expire", lease.task_id)
-        return
-    logger.info(
-        "lease released: task %s[%s] token=%s -> %s (%s)",
-        task.name,
-        lease.task_id,
-        lease.token,
-        target.value,
-        code,
-    )
-
-
 # -- signal receivers ---------------------------------------------------------------------------
 
 
@@ -562,9 +183,7 @@ def _on_task_postrun(sender: Any = None, task: Any = None, state: Any = None, **
 
 def _on_worker_process_init(**_: Any) -> None:
     # Sent in prefork children (and by the solo pool, whose bootstep then says "solo").
-    global _pool_kind
-    if _pool_kind is None:
-        _pool_kind = "prefork"
+    set_pool_kind("prefork", only_if_unset=True)
 
 
 def _on_process_shutdown(**_: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -262,8 +262,3 @@ def reset_conf(app: Celery) -> None:
     """Forget the cached configuration (after changing ``app.conf`` in tests)."""
     if hasattr(app, _CACHE_ATTR):
         delattr(app, _CACHE_ATTR)
-
-
-def with_overrides(conf: FencedConfig, **changes: Any) -> FencedConfig:
-    """Return a copy of ``conf`` with some top-level fields changed (used by tests and tools)."""
-    return replace(conf, **changes)

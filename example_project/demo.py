@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import signal
 import socket
@@ -315,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reports < 3:
         parser.error("--reports must be at least 3")
-    random.seed(0)
     demo = Demo(args.reports, args.flower)
     try:
         return demo.run()

@@ -71,3 +71,46 @@ def test_expire_now_makes_a_live_lease_due(fenced_app: Any, fenced_worker: Any, 
     assert report.requeued == [result.id]
     assert fenced_helpers.lease(result.id).status in ("REQUEUED", "RUNNING", "DONE")
     assert fenced_helpers.lease(result.id).takeovers == 1
+
+
+def test_the_signals_users_connect_to(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
+    from celery_fenced import signals
+
+    seen: dict[str, list[dict[str, Any]]] = {}
+
+    def recorder(name: str) -> Any:
+        def receive(sender: Any = None, **kwargs: Any) -> None:
+            seen.setdefault(name, []).append({"sender": sender, **kwargs})
+
+        return receive
+
+    receivers = {name: recorder(name) for name in signals.__all__}
+    for name, receiver in receivers.items():
+        getattr(signals, name).connect(receiver)
+    try:
+        attempts: list[int] = []
+
+        @fenced_app.task(bind=True, base=ProgressLeasedTask)
+        def stalls_once(self: Any) -> int:
+            self.progress("load-data")
+            attempts.append(int(self.fencing_token))
+            if len(attempts) == 1:
+                time.sleep(4)  # the stall under test: no progress, then a late return
+            return int(self.fencing_token)
+
+        fenced_worker.reload()
+        result = stalls_once.delay()
+        token = result.get(timeout=15)
+        deadline = time.monotonic() + 10
+        while "stale_write_rejected" not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first owner wakes after its 4 s and tries to write
+    finally:
+        for name, receiver in receivers.items():
+            getattr(signals, name).disconnect(receiver)
+    assert [e["attempt"] for e in seen["lease_acquired"]] == [1, 2]
+    assert seen["progress_stalled"][0]["stage"] == "load-data"
+    assert seen["progress_stalled"][0]["on_stall"] == "release"
+    assert "stalled" in seen["lease_lost"][0]["reason"]
+    assert seen["task_taken_over"][0]["cause"] == "stalled" and seen["task_taken_over"][0]["takeovers"] == 1
+    assert seen["stale_write_rejected"][0]["current_token"] == token
+    assert all(e["sender"] == stalls_once.name for events in seen.values() for e in events)

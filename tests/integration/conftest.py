@@ -25,10 +25,17 @@ BROKER_DB, BACKEND_DB, RECORD_DB = 0, 1, 2
 
 
 def rabbitmq_url() -> str | None:
-    """The RabbitMQ broker URL when the tests are asked to use one and it is reachable."""
+    """The RabbitMQ broker URL, when the tests are asked to use one and it is reachable."""
     if os.environ.get("FENCED_TEST_BROKER", "redis") != "rabbitmq":
         return None
-    return os.environ.get("FENCED_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    url = os.environ.get("FENCED_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    host_port = url.split("@", 1)[-1].split("/", 1)[0]
+    host, _, port = host_port.partition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port or 5672)), timeout=1).close()
+    except OSError:
+        return None
+    return url
 
 
 KEYS = KeySpace.build("fenced", "celery-task-meta-")

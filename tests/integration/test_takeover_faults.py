@@ -112,7 +112,9 @@ def test_redis_restarted_while_tasks_run(own_cluster: Cluster) -> None:
 @pytest.mark.rabbitmq
 def test_zombie_takeover_with_rabbitmq_as_the_broker(cluster: Cluster) -> None:
     if rabbitmq_url() is None:
-        pytest.skip("runs in the broker-rabbitmq tox env (FENCED_TEST_BROKER=rabbitmq)")
+        pytest.skip(
+            "needs FENCED_TEST_BROKER=rabbitmq (the broker-rabbitmq tox env) and a RabbitMQ reachable on 127.0.0.1:5672"
+        )
     assert cluster.broker_url.startswith("amqp://")
     app = cluster.app()
     w1 = cluster.worker("w1", concurrency=1)

@@ -170,10 +170,17 @@ class Cluster:
     def stop(self) -> None:
         for proc in self.processes:
             proc.stop()
+        self.record.close()
+        self.results.close()
+
+
+def _flushall(server: RedisServer) -> None:
+    with server.client() as client:
+        client.flushall()
 
 
 def _run_cluster(server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    server.client().flushall()
+    _flushall(server)
     cluster = Cluster(server, tmp_path)
     yield cluster
     cluster.stop()
@@ -181,7 +188,7 @@ def _run_cluster(server: RedisServer, tmp_path: Path, request: pytest.FixtureReq
     if report is not None and report.failed:
         print(cluster.logs()[-20000:])
     if server.running():
-        server.client().flushall()
+        _flushall(server)
 
 
 @pytest.fixture

@@ -80,7 +80,8 @@ def test_the_signals_users_connect_to(fenced_app: Any, fenced_worker: Any, fence
 
     def recorder(name: str) -> Any:
         def receive(sender: Any = None, **kwargs: Any) -> None:
-            seen.setdefault(name, []).append({"sender": sender, **kwargs})
+            if sender == "stalls_once" or str(sender).endswith(".stalls_once"):  # not an earlier test's task
+                seen.setdefault(name, []).append({"sender": sender, **kwargs})
 
         return receive
 

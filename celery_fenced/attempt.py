@@ -46,7 +46,8 @@ logger = logging.getLogger("celery_fenced.attempt")
 # The pool of this process: "prefork" in a prefork child, else what the worker's bootstep
 # saw ("threads", "solo", ...). None outside a worker.
 _pool_kind: str | None = None
-_heartbeats: dict[tuple[int, int], Heartbeat] = {}
+# Keyed by the app object itself (not its id(), which a later app could reuse).
+_heartbeats: dict[tuple[int, Celery], Heartbeat] = {}
 _heartbeats_lock = threading.Lock()
 
 
@@ -63,7 +64,7 @@ def set_pool_kind(kind: str, *, only_if_unset: bool = False) -> None:
 
 def heartbeat_for(app: Celery, create: bool = True) -> Heartbeat | None:
     """This process's heartbeat for ``app`` (created on first use; per pid, so fork-safe)."""
-    key = (os.getpid(), id(app))
+    key = (os.getpid(), app)
     heartbeat = _heartbeats.get(key)
     if heartbeat is None and create:
         with _heartbeats_lock:

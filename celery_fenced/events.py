@@ -32,7 +32,7 @@ EVENT_TYPES = (
 )
 
 _settings: dict[str, Any] = {"enabled": None, "hostname": None}
-_dispatchers: dict[tuple[int, int], Any] = {}
+_dispatchers: dict[tuple[int, Celery], Any] = {}  # keyed by the app, not its reusable id()
 _lock = threading.Lock()
 
 
@@ -53,7 +53,7 @@ def enabled(app: Celery) -> bool:
 
 
 def _dispatcher(app: Celery) -> Any:
-    key = (os.getpid(), id(app))
+    key = (os.getpid(), app)
     dispatcher = _dispatchers.get(key)
     if dispatcher is None:
         for stale in [k for k in _dispatchers if k[0] != key[0]]:
@@ -87,6 +87,6 @@ def send(
     except Exception as exc:
         logger.debug("could not send %s for %s: %r", event_type, task_id, exc)
         with _lock:
-            _dispatchers.pop((os.getpid(), id(app)), None)
+            _dispatchers.pop((os.getpid(), app), None)
         return False
     return True

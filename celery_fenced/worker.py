@@ -34,7 +34,7 @@ logger = logging.getLogger("celery_fenced.worker")
 
 _UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
-_eviction_checked: set[int] = set()
+_eviction_checked: set[Celery] = set()
 
 
 # -- connecting -------------------------------------------------------------------------------
@@ -141,9 +141,9 @@ def _maintain_if_a_child_exited(pool: Any) -> None:
 
 def warn_if_redis_can_evict(app: Celery) -> None:
     """Warn once per app if the lease Redis may evict keys: an evicted lease is a false takeover."""
-    if id(app) in _eviction_checked:
+    if app in _eviction_checked:
         return
-    _eviction_checked.add(id(app))
+    _eviction_checked.add(app)
     try:
         policy = app.backend.client.config_get("maxmemory-policy").get("maxmemory-policy")
     except (RedisError, ResponseError, AttributeError):

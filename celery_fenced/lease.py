@@ -1,4 +1,7 @@
-"""The shared lease state in Redis: the :class:`LeaseState` snapshot and the store.
+"""The lease store: every change to the shared lease state in Redis, one script each.
+
+The values it reads and answers (:class:`LeaseState` and the outcome types) live in
+:mod:`celery_fenced.state` and are re-exported here.
 
 :class:`LeaseStore` runs the scripts of :mod:`celery_fenced.scripts`, one atomic script
 per change of ownership or status, and maps their return codes to named outcomes.
@@ -9,8 +12,6 @@ Times in the shared state are milliseconds of the Redis server's clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from kombu.utils import json
@@ -18,6 +19,16 @@ from kombu.utils import json
 from .exceptions import LeaseScriptError
 from .keys import KeySpace
 from .scripts import ScriptSet
+from .state import (
+    AcquireOutcome,
+    AcquireResult,
+    ClaimResult,
+    LeaseState,
+    LeaseStatus,
+    RenewRequest,
+    StoreResult,
+    as_text,
+)
 
 __all__ = [
     "AcquireOutcome",
@@ -29,170 +40,6 @@ __all__ = [
     "RenewRequest",
     "StoreResult",
 ]
-
-
-class LeaseStatus(StrEnum):
-    """The statuses of a lease (see the state table in ``docs/design.rst``)."""
-
-    RUNNING = "RUNNING"
-    LAPSED = "LAPSED"
-    REQUEUED = "REQUEUED"
-    RETRYING = "RETRYING"
-    STALLED = "STALLED"
-    DONE = "DONE"
-    ABANDONED = "ABANDONED"
-
-
-class AcquireOutcome(StrEnum):
-    """What an acquire did."""
-
-    NEW = "new"
-    TAKEOVER = "takeover"
-    DUPLICATE = "duplicate"
-    DONE = "done"
-    ABANDONED = "abandoned"
-
-    @property
-    def runs(self) -> bool:
-        """True when the caller now owns the lease and runs the task body."""
-        return self in (AcquireOutcome.NEW, AcquireOutcome.TAKEOVER)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int(fields: Mapping[str, str], name: str) -> int:
-    value = fields.get(name)
-    return int(value) if value not in (None, "") else 0
-
-
-def _opt_int(fields: Mapping[str, str], name: str) -> int | None:
-    value = fields.get(name)
-    return int(value) if value not in (None, "") else None
-
-
-@dataclass(frozen=True)
-class LeaseState:
-    """A read-only snapshot of one task's lease hash.
-
-    Times are milliseconds of the Redis server's clock; ``None`` where the field is unset.
-    """
-
-    task_id: str
-    status: str
-    owner_id: str
-    owner_token: int
-    current_stage: str
-    progress_version: int
-    heartbeat_at: int | None
-    last_progress_at: int | None
-    lease_expire_at: int | None
-    attempt: int
-    takeovers: int
-    task_name: str
-    requeued_at: int | None
-    stalled_at: int | None
-    max_takeovers: int
-    lease_ttl_ms: int
-    raw: Mapping[str, str] = field(repr=False, default_factory=dict)
-
-    @classmethod
-    def from_fields(cls, task_id: str, fields: Mapping[str, str]) -> LeaseState:
-        """Build a snapshot from the hash's fields (already decoded to ``str``)."""
-        return cls(
-            task_id=task_id,
-            status=fields.get("status", ""),
-            owner_id=fields.get("ownerId", ""),
-            owner_token=_int(fields, "ownerToken"),
-            current_stage=fields.get("currentStage", ""),
-            progress_version=_int(fields, "progressVersion"),
-            heartbeat_at=_opt_int(fields, "heartbeatAt"),
-            last_progress_at=_opt_int(fields, "lastProgressAt"),
-            lease_expire_at=_opt_int(fields, "leaseExpireAt"),
-            attempt=_int(fields, "attempt"),
-            takeovers=_int(fields, "takeovers"),
-            task_name=fields.get("taskName", ""),
-            requeued_at=_opt_int(fields, "requeuedAt"),
-            stalled_at=_opt_int(fields, "stalledAt"),
-            max_takeovers=_int(fields, "maxTakeovers"),
-            lease_ttl_ms=_int(fields, "leaseTtl"),
-            raw=dict(fields),
-        )
-
-    @classmethod
-    def from_flat(cls, task_id: str, flat: Sequence[Any]) -> LeaseState:
-        """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
-        items = [_text(v) for v in flat]
-        return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
-
-    @property
-    def call(self) -> Mapping[str, Any] | None:
-        """The original call recorded at acquire (``signature_from_request()``), decoded."""
-        text = self.raw.get("call")
-        if not text:
-            return None
-        try:
-            call: Mapping[str, Any] = json.loads(text)
-        except ValueError:
-            return None
-        return call
-
-    @property
-    def is_live(self) -> bool:
-        """True while an owner holds the lease (RUNNING or STALLED)."""
-        return self.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
-
-    @property
-    def is_finished(self) -> bool:
-        """True once the task will not run again (DONE or ABANDONED)."""
-        return self.status in (LeaseStatus.DONE, LeaseStatus.ABANDONED)
-
-
-@dataclass(frozen=True)
-class AcquireResult:
-    """The answer of :meth:`LeaseStore.acquire`."""
-
-    outcome: AcquireOutcome
-    previous_status: str
-    state: LeaseState
-
-
-@dataclass(frozen=True)
-class RenewRequest:
-    """One lease to renew in a batch (see :meth:`LeaseStore.renew_many`)."""
-
-    task_id: str
-    owner_id: str
-    token: int
-    ttl_ms: int
-    stage: str
-    progress_version: int
-    progress_age_ms: int
-    stalled: bool = False
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    """The answer of :meth:`LeaseStore.store`: ``code`` is one of store.lua's codes."""
-
-    code: str
-    detail: str
-
-    @property
-    def stored(self) -> bool:
-        """True when the result was written."""
-        return self.code == "stored"
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    """One lease handled by :meth:`LeaseStore.claim_due`."""
-
-    task_id: str
-    code: str
-    cause: str
-    state: LeaseState | None
 
 
 _RENEW_CODES = frozenset({"ok", "stale-token", "not-owner", "claimed", "lapsed", "finished", "retrying", "missing"})
@@ -208,7 +55,7 @@ _SIMPLE_CODES = {
 
 
 def _checked(script: str, code: Any) -> str:
-    text = _text(code)
+    text = as_text(code)
     allowed = _RENEW_CODES if script == "renew" else _SIMPLE_CODES[script]
     if text not in allowed:
         raise LeaseScriptError(f"{script}.lua answered an unknown code {text!r}")
@@ -262,7 +109,7 @@ class LeaseStore:
         call_json = json.dumps(call) if call else ""
         code, previous, flat = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage)
         outcome = AcquireOutcome(_checked_acquire(code))
-        return AcquireResult(outcome, _text(previous), LeaseState.from_flat(task_id, flat))
+        return AcquireResult(outcome, as_text(previous), LeaseState.from_flat(task_id, flat))
 
     def _acquire(
         self,
@@ -356,7 +203,7 @@ class LeaseStore:
             "1" if worker_lost else "0",
         ]
         code, detail = self.scripts.store(keys=keys, args=args)
-        return StoreResult(_checked("store", code), _text(detail))
+        return StoreResult(_checked("store", code), as_text(detail))
 
     # -- reaper side --------------------------------------------------------------------
 
@@ -409,7 +256,7 @@ class LeaseStore:
         for task_id, (code, cause, flat) in zip(task_ids, answers, strict=True):
             checked = _checked("claim", code)
             state = LeaseState.from_flat(task_id, flat) if flat else None
-            results.append(ClaimResult(task_id, checked, _text(cause), state))
+            results.append(ClaimResult(task_id, checked, as_text(cause), state))
         return results
 
     def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int) -> str:
@@ -444,7 +291,7 @@ class LeaseStore:
         fields = self.client.hgetall(self.keys.lease(_require_task_id(task_id)))
         if not fields:
             return None
-        return LeaseState.from_fields(task_id, {_text(k): _text(v) for k, v in fields.items()})
+        return LeaseState.from_fields(task_id, {as_text(k): as_text(v) for k, v in fields.items()})
 
     def read_many(self, task_ids: Iterable[str]) -> list[LeaseState]:
         """Return the leases of many task ids in one round trip (missing ones left out)."""
@@ -455,7 +302,7 @@ class LeaseStore:
         states = []
         for task_id, fields in zip(ids, pipe.execute(), strict=True):
             if fields:
-                decoded = {_text(k): _text(v) for k, v in fields.items()}
+                decoded = {as_text(k): as_text(v) for k, v in fields.items()}
                 states.append(LeaseState.from_fields(task_id, decoded))
         return states
 
@@ -475,7 +322,7 @@ class LeaseStore:
         status, token = self.client.hmget(self.keys.lease(_require_task_id(task_id)), "status", "ownerToken")
         if status is None:
             return None
-        return _text(status), int(token or 0)
+        return as_text(status), int(token or 0)
 
     def server_time_ms(self) -> int:
         """The Redis server's clock in milliseconds."""
@@ -484,7 +331,7 @@ class LeaseStore:
 
 
 def _checked_acquire(code: Any) -> str:
-    text = _text(code)
+    text = as_text(code)
     if text not in {o.value for o in AcquireOutcome}:
         raise LeaseScriptError(f"acquire.lua answered an unknown code {text!r}")
     return text

@@ -1,0 +1,190 @@
+"""The values the lease store reads and answers: statuses, outcomes and the lease snapshot.
+
+Plain data, no Redis: :class:`LeaseState` is a read-only snapshot of one lease hash, the
+other classes are what :class:`~celery_fenced.lease.LeaseStore`'s methods take and return.
+Times are milliseconds of the Redis server's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kombu.utils import json
+
+__all__ = [
+    "AcquireOutcome",
+    "AcquireResult",
+    "ClaimResult",
+    "LeaseState",
+    "LeaseStatus",
+    "RenewRequest",
+    "StoreResult",
+]
+
+
+class LeaseStatus(StrEnum):
+    """The statuses of a lease (see the state table in ``docs/design.rst``)."""
+
+    RUNNING = "RUNNING"
+    LAPSED = "LAPSED"
+    REQUEUED = "REQUEUED"
+    RETRYING = "RETRYING"
+    STALLED = "STALLED"
+    DONE = "DONE"
+    ABANDONED = "ABANDONED"
+
+
+class AcquireOutcome(StrEnum):
+    """What an acquire did."""
+
+    NEW = "new"
+    TAKEOVER = "takeover"
+    DUPLICATE = "duplicate"
+    DONE = "done"
+    ABANDONED = "abandoned"
+
+    @property
+    def runs(self) -> bool:
+        """True when the caller now owns the lease and runs the task body."""
+        return self in (AcquireOutcome.NEW, AcquireOutcome.TAKEOVER)
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply value as ``str`` (replies come as bytes)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(fields: Mapping[str, str], name: str) -> int:
+    value = fields.get(name)
+    return int(value) if value not in (None, "") else 0
+
+
+def _opt_int(fields: Mapping[str, str], name: str) -> int | None:
+    value = fields.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """A read-only snapshot of one task's lease hash.
+
+    Times are milliseconds of the Redis server's clock; ``None`` where the field is unset.
+    """
+
+    task_id: str
+    status: str
+    owner_id: str
+    owner_token: int
+    current_stage: str
+    progress_version: int
+    heartbeat_at: int | None
+    last_progress_at: int | None
+    lease_expire_at: int | None
+    attempt: int
+    takeovers: int
+    task_name: str
+    requeued_at: int | None
+    stalled_at: int | None
+    max_takeovers: int
+    lease_ttl_ms: int
+    raw: Mapping[str, str] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_fields(cls, task_id: str, fields: Mapping[str, str]) -> LeaseState:
+        """Build a snapshot from the hash's fields (already decoded to ``str``)."""
+        return cls(
+            task_id=task_id,
+            status=fields.get("status", ""),
+            owner_id=fields.get("ownerId", ""),
+            owner_token=_int(fields, "ownerToken"),
+            current_stage=fields.get("currentStage", ""),
+            progress_version=_int(fields, "progressVersion"),
+            heartbeat_at=_opt_int(fields, "heartbeatAt"),
+            last_progress_at=_opt_int(fields, "lastProgressAt"),
+            lease_expire_at=_opt_int(fields, "leaseExpireAt"),
+            attempt=_int(fields, "attempt"),
+            takeovers=_int(fields, "takeovers"),
+            task_name=fields.get("taskName", ""),
+            requeued_at=_opt_int(fields, "requeuedAt"),
+            stalled_at=_opt_int(fields, "stalledAt"),
+            max_takeovers=_int(fields, "maxTakeovers"),
+            lease_ttl_ms=_int(fields, "leaseTtl"),
+            raw=dict(fields),
+        )
+
+    @classmethod
+    def from_flat(cls, task_id: str, flat: Sequence[Any]) -> LeaseState:
+        """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
+        items = [as_text(v) for v in flat]
+        return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
+
+    @property
+    def call(self) -> Mapping[str, Any] | None:
+        """The original call recorded at acquire (``signature_from_request()``), decoded."""
+        text = self.raw.get("call")
+        if not text:
+            return None
+        try:
+            call: Mapping[str, Any] = json.loads(text)
+        except ValueError:
+            return None
+        return call
+
+    @property
+    def is_live(self) -> bool:
+        """True while an owner holds the lease (RUNNING or STALLED)."""
+        return self.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the task will not run again (DONE or ABANDONED)."""
+        return self.status in (LeaseStatus.DONE, LeaseStatus.ABANDONED)
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The answer of :meth:`LeaseStore.acquire`."""
+
+    outcome: AcquireOutcome
+    previous_status: str
+    state: LeaseState
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """One lease to renew in a batch (see :meth:`LeaseStore.renew_many`)."""
+
+    task_id: str
+    owner_id: str
+    token: int
+    ttl_ms: int
+    stage: str
+    progress_version: int
+    progress_age_ms: int
+    stalled: bool = False
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """The answer of :meth:`LeaseStore.store`: ``code`` is one of store.lua's codes."""
+
+    code: str
+    detail: str
+
+    @property
+    def stored(self) -> bool:
+        """True when the result was written."""
+        return self.code == "stored"
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One lease handled by :meth:`LeaseStore.claim_due`."""
+
+    task_id: str
+    code: str
+    cause: str
+    state: LeaseState | None

@@ -120,14 +120,7 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
         )
         if result.cause in ("stalled", "gone"):
             metrics.inc("owner_takeover_total", cause=result.cause)
-        _event(app, "task-takeover", state, result.cause)
-        signals.task_taken_over.send(
-            sender=state.task_name,
-            task_id=state.task_id,
-            cause=result.cause,
-            takeovers=state.takeovers,
-            abandoned=False,
-        )
+        _tell(app, state, result.cause, abandoned=False)
     elif result.code == "abandoned" and state is not None:
         report.abandoned.append(result.task_id)
         logger.error(
@@ -136,20 +129,14 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.task_id,
             state.takeovers,
         )
-        _event(app, "task-abandoned", state, result.cause)
-        signals.task_taken_over.send(
-            sender=state.task_name,
-            task_id=state.task_id,
-            cause=result.cause,
-            takeovers=state.takeovers,
-            abandoned=True,
-        )
+        _tell(app, state, result.cause, abandoned=True)
 
 
-def _event(app: Celery, event_type: str, state: LeaseState, cause: str) -> None:
+def _tell(app: Celery, state: LeaseState, cause: str, *, abandoned: bool) -> None:
+    """Send the takeover (or abandon) event for Flower and the ``task_taken_over`` signal."""
     events.send(
         app,
-        event_type,
+        "task-abandoned" if abandoned else "task-takeover",
         task_id=state.task_id,
         token=state.owner_token,
         stage=state.current_stage,
@@ -157,6 +144,13 @@ def _event(app: Celery, event_type: str, state: LeaseState, cause: str) -> None:
         takeovers=state.takeovers,
         cause=cause,
         name=state.task_name,
+    )
+    signals.task_taken_over.send(
+        sender=state.task_name,
+        task_id=state.task_id,
+        cause=cause,
+        takeovers=state.takeovers,
+        abandoned=abandoned,
     )
 
 

@@ -255,6 +255,11 @@ class Heartbeat:
                 lease.renewed = sent
                 renewed.append(lease)
                 metrics.inc("owner_lease_renew_total")
+            elif code == "finished" and lease.body_done:
+                # The body's own result write ended the lease while this renewal was in
+                # flight: nothing was lost (a cancel that raced the write is reported by
+                # the write, which is then refused).
+                self.unregister(lease)
             else:
                 metrics.inc("owner_lease_renew_rejected_total")
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")

@@ -1,0 +1,97 @@
+"""The heartbeat against a real Redis: what a renewal's refusal means for the owner."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from celery_fenced.conf import FencedConfig
+from celery_fenced.heartbeat import Heartbeat
+from celery_fenced.keys import KeySpace
+from celery_fenced.lease import LeaseStore
+from celery_fenced.owner import OwnedLease
+
+OWNER = "host/1/a"
+
+
+class RecordingHooks:
+    """Records the losses the heartbeat reports (a worker's hooks send signals and events)."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[str, str]] = []
+
+    def lost(self, lease: OwnedLease, reason: str) -> None:
+        self.losses.append((lease.task_id, reason))
+
+    def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
+        pass
+
+    def released(self, lease: OwnedLease) -> None:
+        pass
+
+    def duration_exceeded(self, lease: OwnedLease) -> None:
+        pass
+
+    def renewed(self, leases: list[OwnedLease]) -> None:
+        pass
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis) -> LeaseStore:
+    return LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
+
+
+def owned(store: LeaseStore, task_id: str) -> OwnedLease:
+    policy = FencedConfig.from_mapping({}).policy
+    state = store.acquire(task_id, OWNER, ttl_ms=policy.lease_ttl_ms, task_name="proj.task", max_takeovers=3).state
+    return OwnedLease(
+        task_id=task_id,
+        task_name="proj.task",
+        owner_id=OWNER,
+        token=state.owner_token,
+        attempt=state.attempt,
+        takeovers=state.takeovers,
+        policy=policy,
+    )
+
+
+def heartbeat(store: LeaseStore, hooks: RecordingHooks, *leases: OwnedLease) -> Heartbeat:
+    beat = Heartbeat(store_factory=lambda: store, hooks=hooks, default_interval=60)
+    for lease in leases:
+        beat._leases[lease.owner_id] = lease  # served, without starting the thread: tick() by hand
+    return beat
+
+
+def store_success(store: LeaseStore, lease: OwnedLease) -> None:
+    outcome = store.store(
+        lease.task_id, lease.token, b'{"status": "SUCCESS"}', state="SUCCESS", kind="ready", expires_ms=0
+    )
+    assert (outcome.code, outcome.detail) == ("stored", "DONE")
+
+
+def test_a_renewal_racing_the_owners_own_result_write_is_not_a_loss(
+    store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    hooks = RecordingHooks()
+    lease = owned(store, "t1")
+    beat = heartbeat(store, hooks, lease)
+    lease.body_done = True  # the body returned; its SUCCESS write lands before the tick's renewal
+    store_success(store, lease)
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.heartbeat"):
+        beat.tick()
+    assert hooks.losses == []
+    assert lease.lost_reason is None
+    assert "lease lost" not in caplog.text
+    assert beat.leases() == []  # no longer served
+
+
+def test_a_lease_ended_by_someone_else_while_the_body_runs_is_lost(store: LeaseStore) -> None:
+    hooks = RecordingHooks()
+    lease = owned(store, "t2")
+    beat = heartbeat(store, hooks, lease)
+    store_success(store, lease)  # as a cancel would: the lease ends under a running body
+    beat.tick()
+    assert hooks.losses == [("t2", "renewal refused: the task was ended (result stored or cancelled)")]
+    assert lease.lost_reason is not None

@@ -345,7 +345,9 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None
     heartbeat.register(lease)
-    logger.info(
+    # A takeover is news; a first acquire is every task (Celery already logs it at INFO).
+    logger.log(
+        logging.INFO if result.previous_status else logging.DEBUG,
         "lease acquired: task %s[%s] token=%s attempt=%s%s",
         task.name,
         request.id,

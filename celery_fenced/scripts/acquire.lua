@@ -37,6 +37,34 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  -- The common case, a first delivery: one write, and the answer is known without a read.
+  local token = redis.call('INCR', KEYS[2])
+  local fields = {
+    'status', 'RUNNING',
+    'ownerId', ARGV[1],
+    'ownerToken', token,
+    'attempt', 1,
+    'takeovers', 0,
+    'currentStage', ARGV[6],
+    'progressVersion', 0,
+    'heartbeatAt', now,
+    'lastProgressAt', now,
+    'leaseExpireAt', now + ttl,
+    'startedAt', now,
+    'leaseTtl', ttl,
+    'taskName', ARGV[3],
+    'maxTakeovers', ARGV[5]}
+  if ARGV[4] ~= '' then
+    fields[#fields + 1] = 'call'
+    fields[#fields + 1] = ARGV[4]
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
+  return {'new', '', {'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token, 'attempt', 1,
+    'takeovers', 0, 'leaseExpireAt', now + ttl, 'currentStage', ARGV[6], 'taskName', ARGV[3]}}
+end
+
 local status = redis.call('HGET', KEYS[1], 'status')
 local code = 'new'
 if status then

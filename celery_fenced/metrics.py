@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -57,12 +59,28 @@ def _labels(labels: Mapping[str, str] | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
+_series_names: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+
+
+def _series(name: str, labels: Mapping[str, str]) -> str:
+    """``"name|k=v,…"``, built once per name and labels (stage names repeat)."""
+    key = (name, tuple(labels.items()))
+    try:
+        return _series_names[key]
+    except KeyError:
+        series = _series_names[key] = f"{name}|{_labels(labels)}"
+        return series
+
+
 class MetricsBuffer:
     """The metric deltas of one process, waiting for the next flush."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._deltas: dict[str, float] = defaultdict(float)
+        # Histograms: per series, the count of each bucket alone (made cumulative by take()),
+        # so that an observation is one bisect and one increment.
+        self._observed: dict[str, list[float]] = {}
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         """Add to a counter."""
@@ -70,26 +88,38 @@ class MetricsBuffer:
             raise KeyError(f"unknown counter {name!r}")
         if amount:
             with self._lock:
-                self._deltas[f"{name}|{_labels(labels)}"] += amount
+                self._deltas[_series(name, labels)] += amount
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         """Record one observation of a histogram."""
         if name not in HISTOGRAMS:
             raise KeyError(f"unknown histogram {name!r}")
-        base = f"{name}|{_labels(labels)}"
+        base = _series(name, labels)
+        slot = bisect_left(BUCKETS, value)  # the first bucket whose bound is >= value
         with self._lock:
-            for bound in BUCKETS:
-                if value <= bound:
-                    self._deltas[f"{base}|bucket|{bound}"] += 1
-            self._deltas[f"{base}|bucket|+Inf"] += 1
-            self._deltas[f"{base}|sum"] += value
-            self._deltas[f"{base}|count"] += 1
+            series = self._observed.get(base)
+            if series is None:
+                series = self._observed[base] = [0.0] * (len(BUCKETS) + 3)  # buckets, +Inf, sum, count
+            series[slot] += 1
+            series[-2] += value
+            series[-1] += 1
 
     def take(self) -> dict[str, float]:
         """Take the pending deltas (they are gone from the buffer)."""
         with self._lock:
             deltas, self._deltas = dict(self._deltas), defaultdict(float)
-        return deltas
+            observed, self._observed = self._observed, {}
+        totals = defaultdict(float, deltas)  # given-back deltas may hold the same series
+        for base, series in observed.items():
+            running = 0.0
+            for bound, count in zip(BUCKETS, series, strict=False):
+                running += count
+                if running:
+                    totals[f"{base}|bucket|{bound}"] += running
+            totals[f"{base}|bucket|+Inf"] += running + series[len(BUCKETS)]
+            totals[f"{base}|sum"] += series[-2]
+            totals[f"{base}|count"] += series[-1]
+        return dict(totals)
 
     def give_back(self, deltas: Mapping[str, float]) -> None:
         """Put deltas back after a failed flush, so nothing is lost."""
@@ -123,14 +153,14 @@ def count_lease_activity(lease: Any, *, ended: bool = False) -> None:
     which also closes the current stage.
     """
     version = lease.version
-    buffer.inc("owner_progress_update_total", version - lease.counted_version)
-    lease.counted_version = version
-    finished = lease.take_stage_log()
+    if version != lease.counted_version:
+        buffer.inc("owner_progress_update_total", version - lease.counted_version)
+        lease.counted_version = version
+    finished = lease.take_stage_log() if lease.stage_log else []
     if ended and lease.stage is not None:
-        import time
-
-        finished.append((lease.stage, time.monotonic() - lease.stage_started))
-        lease.stage_started = time.monotonic()
+        now = time.monotonic()
+        finished.append((lease.stage, now - lease.stage_started))
+        lease.stage_started = now
     for stage, seconds in finished:
         if stage is not None:
             buffer.observe("owner_stage_duration_seconds", seconds, stage=stage)

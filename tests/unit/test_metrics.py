@@ -1,0 +1,45 @@
+"""The in-process metrics buffer: what a flush hands to Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_fenced.metrics import MetricsBuffer
+
+SERIES = "owner_stage_duration_seconds|stage=LOAD"
+
+
+def test_histogram_buckets_are_cumulative_as_prometheus_reads_them() -> None:
+    buffer = MetricsBuffer()
+    for value in (0.003, 0.005, 0.7, 1000.0):
+        buffer.observe("owner_stage_duration_seconds", value, stage="LOAD")
+    deltas = buffer.take()
+    assert deltas[f"{SERIES}|bucket|0.005"] == 2  # 0.005 itself falls in "le 0.005"
+    assert deltas[f"{SERIES}|bucket|0.5"] == 2
+    assert deltas[f"{SERIES}|bucket|1.0"] == 3
+    assert deltas[f"{SERIES}|bucket|600.0"] == 3
+    assert deltas[f"{SERIES}|bucket|+Inf"] == 4
+    assert deltas[f"{SERIES}|count"] == 4
+    assert deltas[f"{SERIES}|sum"] == pytest.approx(1000.708)
+    assert buffer.take() == {}  # taken once
+
+
+def test_taken_deltas_given_back_after_a_failed_flush_are_kept() -> None:
+    buffer = MetricsBuffer()
+    buffer.observe("owner_task_total_duration_seconds", 0.2)
+    buffer.inc("owner_takeover_total", cause="gone")
+    first = buffer.take()
+    buffer.give_back(first)
+    buffer.observe("owner_task_total_duration_seconds", 0.2)
+    second = buffer.take()
+    assert second["owner_task_total_duration_seconds||count"] == 2
+    assert second["owner_task_total_duration_seconds||bucket|0.25"] == 2
+    assert second["owner_takeover_total|cause=gone"] == 1
+
+
+def test_unknown_names_are_refused() -> None:
+    buffer = MetricsBuffer()
+    with pytest.raises(KeyError, match="unknown histogram"):
+        buffer.observe("owner_nope_seconds", 1.0)
+    with pytest.raises(KeyError, match="unknown counter"):
+        buffer.inc("owner_nope_total")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -274,6 +275,26 @@ def send_again(task: Any, request: Any) -> None:
 # -- acquire and release ------------------------------------------------------------------------
 
 
+class _AttemptIds:
+    """``"<pid>/<random><counter>"``: unique per attempt, between threads, and between processes
+    that reuse a pid (the random part is drawn again in every process, forks included)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._pid = os.getpid()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._counter = itertools.count()
+
+    def next_id(self) -> str:
+        return f"{self._pid}/{self._prefix}{next(self._counter):x}"  # next() on a count is atomic
+
+
+_attempt_ids = _AttemptIds()
+os.register_at_fork(after_in_child=_attempt_ids.reset)
+
+
 def _policy(task: Any) -> TaskPolicy:
     policy: TaskPolicy | None = task.__dict__.get("_fenced_policy")
     if policy is None:
@@ -283,8 +304,30 @@ def _policy(task: Any) -> TaskPolicy:
 
 
 def _call_of(task: Any, request: Any) -> dict[str, Any] | None:
+    """The original call, for the reaper to send again: what ``signature_from_request()``
+    gives (task, args, kwargs and options), built without the Signature object.
+
+    Options left at None are left out: the reaper sends with ``send_task``, whose defaults
+    are those Nones, and the recorded call is half the size.
+    """
     try:
-        return dict(task.signature_from_request(request))
+        options = request.as_execution_options()
+        options["ignore_result"] = get_actual_ignore_result(task, request)
+        delivery_info = request.delivery_info or {}
+        priority = delivery_info.get("priority")
+        if priority is not None:
+            options["priority"] = priority
+        routing_key = delivery_info.get("routing_key")
+        if delivery_info.get("exchange") == "" and routing_key:
+            options["queue"] = routing_key  # sent to the default exchange: the queue is the key
+        else:
+            options.update(delivery_info)
+        return {
+            "task": task.name,
+            "args": list(request.args or ()),
+            "kwargs": request.kwargs or {},
+            "options": {name: value for name, value in options.items() if value is not None},
+        }
     except Exception:
         logger.exception("could not record the call of task %s; it cannot be re-sent", request.id)
         return None
@@ -296,7 +339,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
     if not isinstance(backend, FencedRedisBackend):
         raise ConfigurationError(f"{task.name} needs result_backend = 'fenced+redis://…'")
     policy = _policy(task)
-    owner_id = f"{request.hostname or socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
+    owner_id = f"{request.hostname or socket.gethostname()}/{_attempt_ids.next_id()}"
     call = _call_of(task, request)
     started = time.monotonic()
     acquire_once = partial(
@@ -309,11 +352,11 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         call=call,
     )
     try:
-        result = backend.ensure(acquire_once, ())
+        result = backend.retrying(acquire_once)
     except TypeError:
         logger.warning("the call of task %s is not JSON-serialisable: the reaper cannot re-send it", request.id)
         acquire_once.keywords["call"] = None
-        result = backend.ensure(acquire_once, ())
+        result = backend.retrying(acquire_once)
     if not result.outcome.runs:
         request.fenced_skip = result.outcome.value
         state = result.state
@@ -405,7 +448,7 @@ def release(task: Any, request: Any, state: str | None) -> None:
         keep_ms=backend._expires_ms(celery_states.SUCCESS),
     )
     try:
-        code = backend.ensure(release_once, ())
+        code = backend.retrying(release_once)
     except Exception:
         logger.exception("could not end the lease of task %s; it will expire", lease.task_id)
         return

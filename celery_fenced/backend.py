@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import states
 from celery.backends.base import _is_request_ignore_result
@@ -37,6 +38,8 @@ from .owner import OwnedLease
 __all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
 
 logger = logging.getLogger("celery_fenced.backend")
+
+T = TypeVar("T")
 
 #: store.lua codes that mean "nothing was written": Celery's write side effects are skipped.
 REFUSED_WRITES = frozenset({"stale", "finished", "lapsed", "foreign"})
@@ -81,6 +84,18 @@ class FencedRedisBackend(RedisBackend):
         """The lease store over this backend's Redis client."""
         return LeaseStore(self.client, self.keyspace)
 
+    def retrying(self, operation: Callable[[], T]) -> T:
+        """Run ``operation`` once; on a connection error, go on in Celery's retry loop.
+
+        :meth:`ensure` would set up its retry loop for every call, which costs more than
+        the lease script it wraps; this sets it up only once a call has failed.
+        """
+        try:
+            return operation()
+        except self.connection_errors:
+            result: T = self.ensure(operation, ())
+            return result
+
     # -- the fenced write -------------------------------------------------------------------
 
     def _store_result(
@@ -123,7 +138,7 @@ class FencedRedisBackend(RedisBackend):
             writer_host=str(getattr(request, "hostname", "") or ""),
             worker_lost=worker_lost,
         )
-        outcome: StoreResult = self.ensure(store, ())
+        outcome: StoreResult = self.retrying(store)
         if request is not None:
             with contextlib.suppress(AttributeError):  # a request that takes no attributes
                 request.fenced_write = outcome.code

@@ -120,7 +120,9 @@ class Heartbeat:
     def register(self, lease: OwnedLease) -> None:
         """Serve a new lease (starts the thread if needed)."""
         self._leases[lease.owner_id] = lease
-        self.start()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self.start()
 
     def unregister(self, lease: OwnedLease) -> None:
         """Stop serving a lease."""

@@ -54,6 +54,11 @@ _SIMPLE_CODES = {
 }
 
 
+#: kombu's JSON (datetimes, UUIDs, Decimals and bytes survive the round trip, as in Celery's
+#: own messages); one encoder for every call (it keeps no state between calls).
+_CALL_ENCODER = json.JSONEncoder()
+
+
 def _checked(script: str, code: Any) -> str:
     text = as_text(code)
     allowed = _RENEW_CODES if script == "renew" else _SIMPLE_CODES[script]
@@ -106,7 +111,7 @@ class LeaseStore:
             raise ValueError("owner_id must not be empty")
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
-        call_json = json.dumps(call) if call else ""
+        call_json = _CALL_ENCODER.encode(call) if call else ""
         code, previous, flat = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage)
         outcome = AcquireOutcome(_checked_acquire(code))
         return AcquireResult(outcome, as_text(previous), LeaseState.from_flat(task_id, flat))
@@ -330,8 +335,11 @@ class LeaseStore:
         return int(seconds) * 1000 + int(micros) // 1000
 
 
+_ACQUIRE_CODES = frozenset(outcome.value for outcome in AcquireOutcome)
+
+
 def _checked_acquire(code: Any) -> str:
     text = as_text(code)
-    if text not in {o.value for o in AcquireOutcome}:
+    if text not in _ACQUIRE_CODES:
         raise LeaseScriptError(f"acquire.lua answered an unknown code {text!r}")
     return text

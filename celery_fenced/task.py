@@ -237,7 +237,9 @@ class ProgressLeasedTask(Task):
         if lease is None:
             return super().__call__(*args, **kwargs)
         try:
-            retval = super().__call__(*args, **kwargs)
+            # The worker's tracer has pushed this task and its request already; Task.__call__
+            # would push a copy of the request around the body for nothing.
+            retval = self.run(*args, **kwargs)
         except Reject as exc:
             request.fenced_reject_requeue = bool(exc.requeue)
             raise

@@ -1,0 +1,92 @@
+"""The call recorded at acquire is what ``signature_from_request()`` gives, for every request shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app.task import Context
+
+from celery_fenced import ProgressLeasedTask
+from celery_fenced.attempt import _call_of
+
+app = Celery("call_record", set_as_current=False)
+
+
+@app.task(bind=True, base=ProgressLeasedTask, shared=False)
+def job(self: Any, *args: Any, **kwargs: Any) -> None:
+    """A task whose requests are recorded."""
+
+
+LINK = {"task": "proj.next", "args": [], "kwargs": {}, "options": {}, "subtask_type": None, "immutable": False}
+
+REQUESTS = {
+    "default exchange": dict(delivery_info={"exchange": "", "routing_key": "celery", "priority": 0}),
+    "named exchange": dict(delivery_info={"exchange": "tasks", "routing_key": "reports.pdf", "priority": None}),
+    "no delivery info": dict(delivery_info=None),
+    "canvas and limits": dict(
+        delivery_info={"exchange": "", "routing_key": "long", "priority": 9, "redelivered": False},
+        callbacks=[LINK],
+        errbacks=[LINK],
+        chain=[LINK],
+        chord={"task": "proj.join", "options": {}},
+        group="g1",
+        group_index=2,
+        timelimit=(60, 50),
+        expires="2030-01-01T00:00:00+00:00",
+        headers={"x-death": [{"count": 1}], "tenant": "a"},
+        root_id="root",
+        parent_id="parent",
+        retries=3,
+        reply_to="reply",
+        origin="gen1@host",
+        ignore_result=True,
+        stamped_headers=["tenant"],
+        stamps={"tenant": "a"},
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", REQUESTS)
+def test_recorded_call_is_signature_from_request_without_none_options(shape: str) -> None:
+    request = Context(id="t1", args=(1, "two"), kwargs={"three": 3}, **REQUESTS[shape])
+    expected = dict(job.signature_from_request(request))
+    recorded = _call_of(job, request)
+    assert recorded is not None
+    assert recorded["task"] == expected["task"] == job.name
+    assert recorded["args"] == list(expected["args"])
+    assert recorded["kwargs"] == expected["kwargs"]
+    assert recorded["options"] == {k: v for k, v in expected["options"].items() if v is not None}
+
+
+def test_a_request_that_cannot_be_recorded_gives_none_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(Context):
+        def as_execution_options(self) -> dict[str, Any]:
+            raise RuntimeError("broken request")
+
+    assert _call_of(job, Broken(id="t2", args=(), kwargs={})) is None
+    assert "could not record the call of task t2" in caplog.text
+
+
+def test_attempt_ids_are_unique_across_threads_and_forks() -> None:
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from celery_fenced.attempt import _attempt_ids
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda _: _attempt_ids.next_id(), range(2000)))
+    assert len(set(ids)) == len(ids)
+    assert all(i.startswith(f"{os.getpid()}/") for i in ids)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child reports its first id and exits at once
+        os.write(write, _attempt_ids.next_id().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    child_id = os.read(read, 100).decode()
+    os.close(read)
+    os.close(write)
+    assert child_id.startswith(f"{child}/")
+    assert child_id.split("/")[1][:8] != ids[0].split("/")[1][:8]  # a new random part in the fork

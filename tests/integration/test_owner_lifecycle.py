@@ -208,6 +208,19 @@ def test_a_retry_keeps_the_task_id_and_the_retried_run_acquires_anew(cluster: Cl
     assert state["status"] == "DONE" and state["attempt"] == "2" and state["takeovers"] == "0"
 
 
+def test_a_retry_lease_waits_for_the_retry_countdown_before_the_reaper_may_send_it(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.retry_in.delay(60)
+    wait_until(lambda: lease(cluster, result.id).get("status") == "RETRYING", 10, "the lease to be RETRYING")
+    seconds, micros = cluster.results.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    # Due after the countdown (plus the requeue timeout), not at once: the reaper must not
+    # re-send a task whose retry message is merely waiting for its eta.
+    assert int(lease(cluster, result.id)["leaseExpireAt"]) - now_ms > 55_000
+    assert len(cluster.runs(result.id)) == 1
+
+
 def test_ignore_and_ignored_results_end_the_lease_without_a_result(cluster: Cluster) -> None:
     app = cluster.app()
     cluster.worker("w1")

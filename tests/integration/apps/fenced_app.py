@@ -228,6 +228,15 @@ def retry_once(self: Any) -> str:
 
 
 @app.task(bind=True, base=ProgressLeasedTask)
+def retry_in(self: Any, seconds: float) -> str:
+    """Retries once with ``countdown=seconds``, then succeeds."""
+    note_run(self)
+    if self.request.retries == 0:
+        raise self.retry(countdown=seconds)
+    return "retried"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
 def ignoring(self: Any) -> None:
     """Ends without a result (Ignore)."""
     from celery.exceptions import Ignore

@@ -2,10 +2,10 @@
 
 300+ tasks of 2 ms on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
 the fenced backend against a plain task with Celery's Redis backend, several rounds each,
-medians. Also counts the Redis commands per task (``INFO commandstats``) and shows that the
-heartbeat renews 1, 10 or 100 leases of a process in one round trip.
+medians; the rounds alternate between the two. Also counts the Redis commands per task
+(``INFO commandstats``) and shows that the heartbeat renews 1, 10 or 100 leases of a process in one round trip.
 
-    python benchmarks/throughput.py [--tasks 300] [--rounds 3]
+    python benchmarks/throughput.py [--tasks 300] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -58,26 +58,35 @@ def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="fenced vs plain Celery throughput")
     parser.add_argument("--tasks", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with Harness("benchmarks.bench_app") as harness:
         from benchmarks import bench_app, bench_plain
 
-        rows = {}
-        for label, app_path, task in (
-            ("plain", "benchmarks.bench_plain", bench_plain.plain_short),
-            ("fenced", "benchmarks.bench_app:app", bench_app.fenced_short),
-        ):
-            worker = harness.worker(label, concurrency=2, app=app_path)
-            run_round(harness, task, 20)  # warm up
-            rounds = [run_round(harness, task, args.tasks) for _ in range(args.rounds)]
-            harness.stop(worker)
-            rows[label] = (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
+        tasks = {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
+        for label, app_path in (("plain", "benchmarks.bench_plain"), ("fenced", "benchmarks.bench_app:app")):
+            harness.worker(label, concurrency=2, app=app_path)
+            run_round(harness, tasks[label], 20)  # warm up
+        # Rounds alternate (the order flips each round), so a drift in the machine's load
+        # weighs on both sides alike; the idle worker waits on its own queue meanwhile.
+        measured: dict[str, list[tuple[float, int]]] = {"plain": [], "fenced": []}
+        for number in range(args.rounds):
+            order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
+            for label in order:
+                measured[label].append(run_round(harness, tasks[label], args.tasks))
+        rows = {
+            label: (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
+            for label, rounds in measured.items()
+        }
+        ratios = [f[0] / p[0] for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
         (fenced, fenced_cmds), (plain, plain_cmds) = rows["fenced"], rows["plain"]
         print(f"{args.tasks} tasks of 2 ms, prefork c=2, Redis broker, median of {args.rounds} rounds")
         print(f"  plain Celery      {args.tasks / plain:8.1f} tasks/s")
         print(f"  celery-fenced     {args.tasks / fenced:8.1f} tasks/s")
         print(f"  time ratio fenced/plain = {fenced / plain:.3f} (target <= 1.10)")
+        print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
+        for label in ("plain", "fenced"):
+            print(f"  {label} rounds, tasks/s: {', '.join(f'{args.tasks / r[0]:.0f}' for r in measured[label])}")
         print(
             f"  Redis commands per task: plain {plain_cmds / args.tasks:.1f}, "
             f"fenced {fenced_cmds / args.tasks:.1f} (heartbeat renewals included)"

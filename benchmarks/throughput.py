@@ -1,9 +1,11 @@
-"""Throughput and Redis commands per task: fenced against plain Celery, side by side.
+"""Throughput and Redis round trips per task: fenced against plain Celery, side by side.
 
 300+ tasks of 2 ms on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
 the fenced backend against a plain task with Celery's Redis backend, several rounds each,
-medians; the rounds alternate between the two. Also counts the Redis commands per task
-(``INFO commandstats``) and shows that the heartbeat renews 1, 10 or 100 leases of a process in one round trip.
+medians; the rounds alternate between the two. Also counts the Redis round trips per task
+(``MONITOR``) and the commands the server ran (``INFO commandstats``, script-internal ones
+included), and shows that the heartbeat renews 1, 10 or 100 leases of a process in one
+round trip.
 
     python benchmarks/throughput.py [--tasks 300] [--rounds 5]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +37,54 @@ def run_round(harness: Harness, task, count: int) -> tuple[float, int]:  # type:
     elapsed = time.perf_counter() - start
     after = sum(commands(harness.client).values())
     return elapsed, after - before
+
+
+def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Round trips per task, all processes together (client, worker, its children), by command.
+
+    Read from ``MONITOR``: a command run inside a script is not a round trip (MONITOR shows
+    it as coming from "lua"), and a MULTI … EXEC transaction is one (its commands are
+    followed per connection). Monitoring slows Redis down, so this runs apart from the
+    timed rounds.
+    """
+    entries: list[dict] = []  # type: ignore[type-arg]
+    listening = threading.Event()
+    stop = f"fenced-bench-stop-{time.monotonic_ns()}"
+
+    def listen() -> None:
+        with harness.client.monitor() as monitor:
+            listening.set()
+            for entry in monitor.listen():
+                if stop in entry["command"]:
+                    return
+                entries.append(entry)
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    listening.wait(10)
+    results = [task.delay(0.002) for _ in range(count)]
+    for result in results:
+        result.get(timeout=120)
+    harness.client.echo(stop)
+    thread.join(30)
+    trips = 0
+    in_transaction: set[tuple[str, int]] = set()
+    by_command: dict[str, int] = {}
+    for entry in entries:
+        if entry["client_type"] == "lua":
+            continue
+        client = (entry["client_address"], entry["client_port"])
+        name = entry["command"].split(" ", 1)[0].upper()
+        if client in in_transaction:
+            if name == "EXEC":
+                in_transaction.discard(client)
+            continue
+        if name == "MULTI":
+            in_transaction.add(client)
+            name = "MULTI…EXEC"
+        trips += 1
+        by_command[name] = by_command.get(name, 0) + 1
+    return {"total": trips / count, **{name: n / count for name, n in sorted(by_command.items())}}
 
 
 def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
@@ -91,6 +142,14 @@ def main() -> int:
             f"  Redis commands per task: plain {plain_cmds / args.tasks:.1f}, "
             f"fenced {fenced_cmds / args.tasks:.1f} (heartbeat renewals included)"
         )
+        trips = {label: round_trips_per_task(harness, tasks[label], min(args.tasks, 200)) for label in tasks}
+        print(
+            f"  Redis round trips per task (MONITOR; a transaction or a script is one): "
+            f"plain {trips['plain']['total']:.2f}, fenced {trips['fenced']['total']:.2f}"
+        )
+        for label in tasks:
+            detail = ", ".join(f"{name} {n:.2f}" for name, n in trips[label].items() if name != "total" and n >= 0.01)
+            print(f"    {label}: {detail}")
         for leases, calls in renew_round_trips(harness):
             print(f"  renewing {leases:>3} leases of one process: {calls} script call(s), one round trip")
     return 0

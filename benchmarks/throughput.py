@@ -7,7 +7,7 @@ medians; the rounds alternate between the two. Also counts the Redis round trips
 included), and shows that the heartbeat renews 1, 10 or 100 leases of a process in one
 round trip.
 
-    python benchmarks/throughput.py [--tasks 300] [--rounds 5]
+    python benchmarks/throughput.py [--tasks 300] [--rounds 5] [--task-ms 2]
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def commands(client) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return {k: v["calls"] for k, v in client.info("commandstats").items()}
 
 
-def run_round(harness: Harness, task, count: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+def run_round(harness: Harness, task, count: int, seconds: float = 0.002) -> tuple[float, int]:  # type: ignore[no-untyped-def]
     before = sum(commands(harness.client).values())
     start = time.perf_counter()
-    results = [task.delay(0.002) for _ in range(count)]
+    results = [task.delay(seconds) for _ in range(count)]
     for result in results:
         result.get(timeout=120)
     elapsed = time.perf_counter() - start
@@ -110,6 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="fenced vs plain Celery throughput")
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--task-ms", type=float, default=2.0, help="how long each task's body sleeps")
     args = parser.parse_args()
     with Harness("benchmarks.bench_app") as harness:
         from benchmarks import bench_app, bench_plain
@@ -124,14 +125,14 @@ def main() -> int:
         for number in range(args.rounds):
             order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
             for label in order:
-                measured[label].append(run_round(harness, tasks[label], args.tasks))
+                measured[label].append(run_round(harness, tasks[label], args.tasks, args.task_ms / 1000))
         rows = {
             label: (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
             for label, rounds in measured.items()
         }
         ratios = [f[0] / p[0] for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
         (fenced, fenced_cmds), (plain, plain_cmds) = rows["fenced"], rows["plain"]
-        print(f"{args.tasks} tasks of 2 ms, prefork c=2, Redis broker, median of {args.rounds} rounds")
+        print(f"{args.tasks} tasks of {args.task_ms:g} ms, prefork c=2, Redis broker, median of {args.rounds} rounds")
         print(f"  plain Celery      {args.tasks / plain:8.1f} tasks/s")
         print(f"  celery-fenced     {args.tasks / fenced:8.1f} tasks/s")
         print(f"  time ratio fenced/plain = {fenced / plain:.3f} (target <= 1.10)")

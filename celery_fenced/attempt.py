@@ -12,14 +12,12 @@
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-import uuid
 from functools import partial
 from typing import Any
 
@@ -32,6 +30,7 @@ from redis.exceptions import RedisError
 from . import events
 from . import signals as fenced_signals
 from .backend import FencedRedisBackend
+from .calls import next_attempt_id, recorded_call
 from .conf import TaskPolicy, ensure_conf
 from .exceptions import ConfigurationError, LeaseLostError
 from .heartbeat import Heartbeat
@@ -275,26 +274,6 @@ def send_again(task: Any, request: Any) -> None:
 # -- acquire and release ------------------------------------------------------------------------
 
 
-class _AttemptIds:
-    """``"<pid>/<random><counter>"``: unique per attempt, between threads, and between processes
-    that reuse a pid (the random part is drawn again in every process, forks included)."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._pid = os.getpid()
-        self._prefix = uuid.uuid4().hex[:8]
-        self._counter = itertools.count()
-
-    def next_id(self) -> str:
-        return f"{self._pid}/{self._prefix}{next(self._counter):x}"  # next() on a count is atomic
-
-
-_attempt_ids = _AttemptIds()
-os.register_at_fork(after_in_child=_attempt_ids.reset)
-
-
 def _policy(task: Any) -> TaskPolicy:
     policy: TaskPolicy | None = task.__dict__.get("_fenced_policy")
     if policy is None:
@@ -303,44 +282,14 @@ def _policy(task: Any) -> TaskPolicy:
     return policy
 
 
-def _call_of(task: Any, request: Any) -> dict[str, Any] | None:
-    """The original call, for the reaper to send again: what ``signature_from_request()``
-    gives (task, args, kwargs and options), built without the Signature object.
-
-    Options left at None are left out: the reaper sends with ``send_task``, whose defaults
-    are those Nones, and the recorded call is half the size.
-    """
-    try:
-        options = request.as_execution_options()
-        options["ignore_result"] = get_actual_ignore_result(task, request)
-        delivery_info = request.delivery_info or {}
-        priority = delivery_info.get("priority")
-        if priority is not None:
-            options["priority"] = priority
-        routing_key = delivery_info.get("routing_key")
-        if delivery_info.get("exchange") == "" and routing_key:
-            options["queue"] = routing_key  # sent to the default exchange: the queue is the key
-        else:
-            options.update(delivery_info)
-        return {
-            "task": task.name,
-            "args": list(request.args or ()),
-            "kwargs": request.kwargs or {},
-            "options": {name: value for name, value in options.items() if value is not None},
-        }
-    except Exception:
-        logger.exception("could not record the call of task %s; it cannot be re-sent", request.id)
-        return None
-
-
 def acquire(task: Any, request: Any) -> OwnedLease | None:
     """Take the lease for this delivery, or mark the request to be skipped."""
     backend = task.backend
     if not isinstance(backend, FencedRedisBackend):
         raise ConfigurationError(f"{task.name} needs result_backend = 'fenced+redis://…'")
     policy = _policy(task)
-    owner_id = f"{request.hostname or socket.gethostname()}/{_attempt_ids.next_id()}"
-    call = _call_of(task, request)
+    owner_id = f"{request.hostname or socket.gethostname()}/{next_attempt_id()}"
+    call = recorded_call(task, request)
     started = time.monotonic()
     acquire_once = partial(
         backend.lease_store.acquire,

@@ -1,4 +1,4 @@
-"""The call recorded at acquire is what ``signature_from_request()`` gives, for every request shape."""
+"""Attempt ids, and the call recorded at acquire: what ``signature_from_request()`` gives, for every request shape."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from celery import Celery
 from celery.app.task import Context
 
 from celery_fenced import ProgressLeasedTask
-from celery_fenced.attempt import _call_of
+from celery_fenced.calls import recorded_call
 
 app = Celery("call_record", set_as_current=False)
 
@@ -52,7 +52,7 @@ REQUESTS = {
 def test_recorded_call_is_signature_from_request_without_none_options(shape: str) -> None:
     request = Context(id="t1", args=(1, "two"), kwargs={"three": 3}, **REQUESTS[shape])
     expected = dict(job.signature_from_request(request))
-    recorded = _call_of(job, request)
+    recorded = recorded_call(job, request)
     assert recorded is not None
     assert recorded["task"] == expected["task"] == job.name
     assert recorded["args"] == list(expected["args"])
@@ -65,7 +65,7 @@ def test_a_request_that_cannot_be_recorded_gives_none_and_says_why(caplog: pytes
         def as_execution_options(self) -> dict[str, Any]:
             raise RuntimeError("broken request")
 
-    assert _call_of(job, Broken(id="t2", args=(), kwargs={})) is None
+    assert recorded_call(job, Broken(id="t2", args=(), kwargs={})) is None
     assert "could not record the call of task t2" in caplog.text
 
 
@@ -73,16 +73,16 @@ def test_attempt_ids_are_unique_across_threads_and_forks() -> None:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from celery_fenced.attempt import _attempt_ids
+    from celery_fenced.calls import next_attempt_id
 
     with ThreadPoolExecutor(8) as pool:
-        ids = list(pool.map(lambda _: _attempt_ids.next_id(), range(2000)))
+        ids = list(pool.map(lambda _: next_attempt_id(), range(2000)))
     assert len(set(ids)) == len(ids)
     assert all(i.startswith(f"{os.getpid()}/") for i in ids)
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # the child reports its first id and exits at once
-        os.write(write, _attempt_ids.next_id().encode())
+        os.write(write, next_attempt_id().encode())
         os._exit(0)
     os.waitpid(child, 0)
     child_id = os.read(read, 100).decode()

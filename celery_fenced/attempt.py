@@ -348,7 +348,8 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
     )
     # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
-    _event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+    if events.enabled(task.app):
+        _event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,

@@ -12,8 +12,10 @@
 -- become mass takeovers. progressVersion never moves back; lastProgressAt is server TIME
 -- minus the reported age, so the owner's wall clock never matters.
 --
--- A DONE or ABANDONED lease answers "finished" or "claimed" whatever the token (a cancel
--- ends a lease with a fresh token). Returns one code per lease:
+-- A DONE lease answers "finished" to its last owner and after a cancel (which ends a lease
+-- with a fresh token), "stale-token" to an owner whose task was taken over and finished by
+-- the new one; an ABANDONED lease answers "claimed" whatever the token. Returns one code
+-- per lease:
 --   "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED/ABANDONED) |
 --   "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
 redis.replicate_commands()
@@ -26,11 +28,13 @@ for i = 2, #KEYS do
   local stage, version, age = ARGV[base + 4], tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
   local keep = ARGV[base + 7]
   local lease = KEYS[i]
-  local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion')
+  local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion', 'cancelledAt')
   local status = cur[1]
   local code
   if not status then
     code = 'missing'
+  elseif status == 'DONE' and cur[2] ~= token and not cur[5] then
+    code = 'stale-token'  -- taken over, and the new owner has finished it since
   elseif status == 'DONE' then
     code = 'finished'
   elseif status == 'ABANDONED' then

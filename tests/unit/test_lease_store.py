@@ -244,6 +244,16 @@ def test_renew_refused_once_the_lease_moved_on(
     assert store.renew_many([renew_req(state)]) == [code]
 
 
+def test_renew_of_an_owner_whose_task_was_taken_over_and_finished_says_taken_over(store: LeaseStore) -> None:
+    first = acquire(store, ttl=50).state
+    wait_for(lambda: store.server_time_ms() > (first.lease_expire_at or 0) + 20)
+    second = acquire(store, owner="host/2/b").state  # the takeover
+    done = store.store("t1", second.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0)
+    assert done.detail == "DONE"
+    assert store.renew_many([renew_req(first)]) == ["stale-token"]  # not "finished": it was taken over
+    assert store.renew_many([renew_req(second, owner="host/2/b")]) == ["finished"]
+
+
 def test_renew_of_a_missing_lease(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store).state
     redis_client.delete(store.keys.lease("t1"))

@@ -50,8 +50,9 @@ def test_a_slow_first_token_fires_the_first_token_timeout(cluster: Cluster, ai: 
     app = cluster.app()
     worker = cluster.worker("w1", concurrency=2, fenced_interrupt_on_loss=True)
     result = app.stream_ai.delay(ai.url, "slow", 1, 5, 20)  # the first chunk comes after 4 s
-    wait_until(lambda: "first token timeout" in worker.log(), 20, "the first-token timeout")
-    assert "first token timeout (1s)" in worker.log()
+    # The stall is logged first, then the loss that names the deadline: wait for the second.
+    wait_until(lambda: "first token timeout (1s)" in worker.log(), 20, "the first-token timeout")
+    assert "(first token timeout 1.0s), on_stall=release" in worker.log()
     result.forget()
 
 

@@ -37,15 +37,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  -- The common case, a first delivery: one write, and the answer is known without a read.
-  local token = redis.call('INCR', KEYS[2])
+-- What every acquire writes for its owner (attempt and takeovers are counted apart).
+local function owner_fields(token)
   local fields = {
     'status', 'RUNNING',
     'ownerId', ARGV[1],
     'ownerToken', token,
-    'attempt', 1,
-    'takeovers', 0,
     'currentStage', ARGV[6],
     'progressVersion', 0,
     'heartbeatAt', now,
@@ -59,6 +56,17 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
     fields[#fields + 1] = 'call'
     fields[#fields + 1] = ARGV[4]
   end
+  return fields
+end
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  -- The common case, a first delivery: one write, and the answer is known without a read.
+  local token = redis.call('INCR', KEYS[2])
+  local fields = owner_fields(token)
+  fields[#fields + 1] = 'attempt'
+  fields[#fields + 1] = 1
+  fields[#fields + 1] = 'takeovers'
+  fields[#fields + 1] = 0
   redis.call('HSET', KEYS[1], unpack(fields))
   redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
   return {'new', '', {'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token, 'attempt', 1,
@@ -87,22 +95,7 @@ local token = redis.call('INCR', KEYS[2])
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSETNX', KEYS[1], 'takeovers', 0)
 redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt')
-redis.call('HSET', KEYS[1],
-  'status', 'RUNNING',
-  'ownerId', ARGV[1],
-  'ownerToken', token,
-  'currentStage', ARGV[6],
-  'progressVersion', 0,
-  'heartbeatAt', now,
-  'lastProgressAt', now,
-  'leaseExpireAt', now + ttl,
-  'startedAt', now,
-  'leaseTtl', ttl,
-  'taskName', ARGV[3],
-  'maxTakeovers', ARGV[5])
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], 'call', ARGV[4])
-end
+redis.call('HSET', KEYS[1], unpack(owner_fields(token)))
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
 return {code, status, snapshot()}

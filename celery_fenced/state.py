@@ -118,7 +118,7 @@ class LeaseState:
     @classmethod
     def from_flat(cls, task_id: str, flat: Sequence[Any]) -> LeaseState:
         """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
-        items = [v.decode() if type(v) is bytes else str(v) for v in flat]
+        items = [as_text(v) for v in flat]
         return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
 
     @property

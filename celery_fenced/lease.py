@@ -285,7 +285,12 @@ class LeaseStore:
         return _checked("redrive", self.scripts.redrive(keys=keys, args=[])[0])
 
     def expire_now(self, task_id: str) -> str:
-        """Make a live lease due for takeover now (for operators and tests)."""
+        """Make a live lease due for takeover now, as if its owner were gone (for operators and tests).
+
+        The lease is given up (``LAPSED``), so its owner, if alive, cannot renew it back
+        before the reaper's next pass; that owner's next renewal is refused. Returns
+        ``"expired"``, ``"not-live"`` or ``"missing"``.
+        """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         return _checked("expire", self.scripts.expire(keys=keys, args=[])[0])
 

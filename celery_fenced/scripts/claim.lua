@@ -47,7 +47,7 @@ end
 
 local cause
 if status == 'LAPSED' then
-  if f[6] == 'worker-lost' then
+  if f[6] == 'worker-lost' or f[6] == 'expired' then
     cause = 'gone'
   elseif f[6] == 'redrive' then
     cause = 'redrive'

@@ -1,6 +1,11 @@
 -- expire.lua: make a live lease due for takeover now, as if its owner were gone
--- (an operator's and a test's action; the owner's next renewal still succeeds unless the
--- reaper claims the lease first, exactly as after a real expiry).
+-- (an operator's and a test's action).
+--
+-- The lease is marked LAPSED with lapseReason "expired", not only given a past expiry: a
+-- renewal after a real expiry is accepted (one Redis blip must not become a takeover), so an
+-- owner that is in fact alive would renew a merely expired lease before the reaper's next
+-- pass, and the takeover asked for would not happen. Its next renewal answers "lapsed"
+-- instead, and the claim counts the takeover as cause "gone".
 --
 -- KEYS[1]  lease hash
 -- KEYS[2]  expiry index
@@ -16,6 +21,7 @@ end
 if status ~= 'RUNNING' and status ~= 'STALLED' then
   return {'not-live'}
 end
-redis.call('HSET', KEYS[1], 'leaseExpireAt', now)
 redis.call('ZADD', KEYS[2], now, KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
+  'lapseReason', 'expired')
 return {'expired'}

@@ -494,6 +494,17 @@ def test_claim_of_expired_lease_requeues_with_cause_gone(store: LeaseStore) -> N
     assert store.renew_many([renew_req(state)]) == ["claimed"]
 
 
+def test_expire_now_keeps_a_live_owner_from_renewing_it_back(store: LeaseStore) -> None:
+    state = acquire(store).state
+    assert store.expire_now("t1") == "expired"
+    assert store.renew_many([renew_req(state)]) == ["lapsed"]  # the owner is alive, but too late
+    assert store.due_task_ids(10) == ["t1"]
+    [result] = claim(store, "t1")
+    assert result.code == "requeued" and result.cause == "gone"
+    assert store.expire_now("t1") == "not-live"
+    assert store.expire_now("t2") == "missing"
+
+
 def test_claim_of_lapsed_lease_has_cause_stalled_and_grace_delays_it(store: LeaseStore) -> None:
     state = acquire(store).state
     store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")

@@ -150,7 +150,12 @@ class FencedHelpers:
             time.sleep(0.02)
 
     def expire_now(self, task_id: str) -> str:
-        """Make the task's lease due for takeover now, as if its owner were gone."""
+        """Make the task's lease due for takeover now, as if its owner were gone.
+
+        The owner's renewals are refused from now on, so the next :meth:`reap` takes the task
+        over (cause ``gone``) even while the body is still running. Returns ``"expired"``,
+        ``"not-live"`` or ``"missing"``.
+        """
         return str(self.store.expire_now(task_id))
 
     def reap(self) -> Any:
@@ -239,10 +244,17 @@ def fenced_worker(fenced_app: Any) -> Iterator[Any]:
     from celery.contrib.testing.worker import start_worker
 
     fenced_app.loader.import_module("celery.contrib.testing.tasks")
+    from celery.worker import state
+
     with start_worker(
         fenced_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10
     ) as worker:
         yield worker
+        # A warm shutdown: let the tasks a test left running (a zombie, a re-sent copy) end
+        # while their Redis is still up, instead of retrying against a stopped one later.
+        deadline = time.monotonic() + 10
+        while state.active_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 300+ tasks of 2 ms on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
 the fenced backend against a plain task with Celery's Redis backend, several rounds each,
-medians; the rounds alternate between the two. Also counts the Redis round trips per task
+medians; the rounds alternate between the two. Shows where the CPU time of a task goes (the
+sending client, Redis, the worker's main process and its children). Also counts the Redis round trips per task
 (``MONITOR``) and the commands the server ran (``INFO commandstats``, script-internal ones
 included), and shows that the heartbeat renews 1, 10 or 100 leases of a process in one
 round trip.
@@ -21,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psutil
+
 from benchmarks._harness import Harness
 
 
@@ -28,15 +31,42 @@ def commands(client) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return {k: v["calls"] for k, v in client.info("commandstats").items()}
 
 
-def run_round(harness: Harness, task, count: int, seconds: float = 0.002) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+class CpuMeter:
+    """CPU seconds used by each side of a round: the client, Redis, the worker and its children."""
+
+    def __init__(self, harness: Harness, worker_pid: int) -> None:
+        worker = psutil.Process(worker_pid)
+        self.processes = {
+            "client": psutil.Process(),
+            "redis": psutil.Process(harness.redis_proc.pid),
+            "worker": worker,
+            "children": worker.children(),
+        }
+
+    def read(self) -> dict[str, float]:
+        def used(process: psutil.Process) -> float:
+            times = process.cpu_times()
+            return float(times.user + times.system)
+
+        return {
+            name: sum(used(p) for p in (found if isinstance(found, list) else [found]))
+            for name, found in self.processes.items()
+        }
+
+
+def run_round(  # type: ignore[no-untyped-def]
+    harness: Harness, task, count: int, seconds: float = 0.002, cpu: CpuMeter | None = None
+) -> tuple[float, int, dict[str, float]]:
     before = sum(commands(harness.client).values())
+    cpu_before = cpu.read() if cpu else {}
     start = time.perf_counter()
     results = [task.delay(seconds) for _ in range(count)]
     for result in results:
         result.get(timeout=120)
     elapsed = time.perf_counter() - start
+    cpu_used = {name: value - cpu_before[name] for name, value in cpu.read().items()} if cpu else {}
     after = sum(commands(harness.client).values())
-    return elapsed, after - before
+    return elapsed, after - before, cpu_used
 
 
 def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -116,16 +146,18 @@ def main() -> int:
         from benchmarks import bench_app, bench_plain
 
         tasks = {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
+        meters: dict[str, CpuMeter] = {}
         for label, app_path in (("plain", "benchmarks.bench_plain"), ("fenced", "benchmarks.bench_app:app")):
-            harness.worker(label, concurrency=2, app=app_path)
+            worker = harness.worker(label, concurrency=2, app=app_path)
+            meters[label] = CpuMeter(harness, worker.pid)
             run_round(harness, tasks[label], 20)  # warm up
         # Rounds alternate (the order flips each round), so a drift in the machine's load
         # weighs on both sides alike; the idle worker waits on its own queue meanwhile.
-        measured: dict[str, list[tuple[float, int]]] = {"plain": [], "fenced": []}
+        measured: dict[str, list[tuple[float, int, dict[str, float]]]] = {"plain": [], "fenced": []}
         for number in range(args.rounds):
             order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
             for label in order:
-                measured[label].append(run_round(harness, tasks[label], args.tasks, args.task_ms / 1000))
+                measured[label].append(run_round(harness, tasks[label], args.tasks, args.task_ms / 1000, meters[label]))
         rows = {
             label: (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
             for label, rounds in measured.items()
@@ -139,6 +171,14 @@ def main() -> int:
         print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
         for label in ("plain", "fenced"):
             print(f"  {label} rounds, tasks/s: {', '.join(f'{args.tasks / r[0]:.0f}' for r in measured[label])}")
+        print("  CPU time per task, ms (median of rounds): " + ", ".join(meters["plain"].processes))
+        for label in ("plain", "fenced"):
+            per_task = {
+                name: statistics.median(r[2][name] for r in measured[label]) / args.tasks * 1000
+                for name in meters[label].processes
+            }
+            shown = ", ".join(f"{value:.2f}" for value in per_task.values())
+            print(f"    {label:<7} {shown}  (total {sum(per_task.values()):.2f})")
         print(
             f"  Redis commands per task: plain {plain_cmds / args.tasks:.1f}, "
             f"fenced {fenced_cmds / args.tasks:.1f} (heartbeat renewals included)"

@@ -4,17 +4,16 @@
   STARTED write already carries the token; a duplicate or finished delivery is marked to be
   skipped.
 * The process's :class:`~celery_fenced.heartbeat.Heartbeat` serves every lease it holds;
-  :class:`WorkerHooks` turns what it finds into signals, events, reaps and interrupts.
+  :class:`~celery_fenced.hooks.WorkerHooks` turns what it finds into signals, events, reaps
+  and interrupts.
 * :func:`release` ends a lease that no result write ended (ignored results, ``Ignore``,
   ``Reject``, retries with ignored results).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -23,8 +22,7 @@ from typing import Any
 
 from celery import Celery
 from celery import states as celery_states
-from celery.app.task import Context, get_actual_ignore_result
-from celery.exceptions import TimeLimitExceeded
+from celery.app.task import get_actual_ignore_result
 from redis.exceptions import RedisError
 
 from . import events
@@ -34,29 +32,18 @@ from .calls import next_attempt_id, recorded_call
 from .conf import TaskPolicy, ensure_conf
 from .exceptions import ConfigurationError, LeaseLostError
 from .heartbeat import Heartbeat
+from .hooks import WorkerHooks, send_lease_event
 from .lease import LeaseStatus
 from .metrics import count_lease_activity
 from .owner import OwnedLease, current_lease, set_current_lease
-from .reaper import request_reap
 
-__all__ = ["acquire", "heartbeat_for", "release", "set_pool_kind", "stop_heartbeats"]
+__all__ = ["acquire", "heartbeat_for", "release", "stop_heartbeats"]
 
 logger = logging.getLogger("celery_fenced.attempt")
 
-# The pool of this process: "prefork" in a prefork child, else what the worker's bootstep
-# saw ("threads", "solo", ...). None outside a worker.
-_pool_kind: str | None = None
 # Keyed by the app object itself (not its id(), which a later app could reuse).
 _heartbeats: dict[tuple[int, Celery], Heartbeat] = {}
 _heartbeats_lock = threading.Lock()
-
-
-def set_pool_kind(kind: str, *, only_if_unset: bool = False) -> None:
-    """Record which pool runs this process's tasks (it decides how a body is interrupted)."""
-    global _pool_kind
-    if only_if_unset and _pool_kind is not None:
-        return
-    _pool_kind = kind
 
 
 # -- the heartbeat of this process -------------------------------------------------------------
@@ -87,133 +74,6 @@ def stop_heartbeats() -> None:
     for key, heartbeat in list(_heartbeats.items()):
         if key[0] == pid:
             heartbeat.stop()
-
-
-class WorkerHooks:
-    """What the heartbeat's findings do in a worker: signals, interrupts, reaps, failures."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-
-    def lost(self, lease: OwnedLease, reason: str) -> None:
-        _event(self.app, "task-lease-lost", lease, reason=reason)
-        fenced_signals.lease_lost.send(
-            sender=lease.task_name, task_id=lease.task_id, token=lease.token, stage=lease.stage, reason=reason
-        )
-        if lease.policy.interrupt_on_loss:
-            interrupt(lease)
-
-    def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-        _event(
-            self.app,
-            "task-stalled",
-            lease,
-            bound=bound,
-            allowed=allowed,
-            elapsed=round(elapsed, 3),
-            on_stall=lease.policy.on_stall,
-        )
-        fenced_signals.progress_stalled.send(
-            sender=lease.task_name,
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            bound=bound,
-            allowed=allowed,
-            elapsed=elapsed,
-            on_stall=lease.policy.on_stall,
-        )
-
-    def released(self, lease: OwnedLease) -> None:
-        request_reap(self.app)
-
-    def duration_exceeded(self, lease: OwnedLease) -> None:
-        limit = lease.policy.max_task_duration
-        if not lease.mark_lost(f"max task duration exceeded ({limit:g}s)"):
-            return
-        logger.error(
-            "task %s[%s] ran past fenced_max_task_duration (%ss): FAILURE stored, token=%s",
-            lease.task_name,
-            lease.task_id,
-            limit,
-            lease.token,
-        )
-        request = Context(id=lease.task_id, task=lease.task_name, fenced_lease=lease, hostname=socket.gethostname())
-        try:
-            self.app.backend.store_result(
-                lease.task_id,
-                TimeLimitExceeded(f"fenced_max_task_duration ({limit:g}s) exceeded"),
-                celery_states.FAILURE,
-                request=request,
-            )
-        except Exception:
-            logger.exception("could not store the max-duration FAILURE of task %s", lease.task_id)
-        fenced_signals.lease_lost.send(
-            sender=lease.task_name,
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            reason=lease.lost_reason,
-        )
-        if lease.policy.interrupt_on_loss:
-            interrupt(lease)
-
-    def renewed(self, leases: list[OwnedLease]) -> None:
-        for lease in leases:
-            if lease.stage == lease.published_stage:
-                continue
-            lease.published_stage = lease.stage
-            _event(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
-            table = lease.policy.stage_timeouts
-            if lease.stage is not None and lease.stage not in table:
-                _log_unknown_stage_once(lease.task_name, lease.stage, lease.policy.default_stage_timeout)
-
-
-_unknown_stages: set[tuple[str, str]] = set()
-
-
-def _log_unknown_stage_once(task_name: str, stage: str, default: float) -> None:
-    if (task_name, stage) in _unknown_stages:
-        return
-    _unknown_stages.add((task_name, stage))
-    logger.info(
-        "task %s: stage %r is not in the stage table; it uses the default deadline (%gs)",
-        task_name,
-        stage,
-        default,
-    )
-
-
-def _event(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
-    events.send(
-        app,
-        event_type,
-        task_id=lease.task_id,
-        token=lease.token,
-        stage=lease.stage,
-        attempt=lease.attempt,
-        name=lease.task_name,
-        **fields,
-    )
-
-
-def interrupt(lease: OwnedLease) -> None:
-    """Stop the body of a lease that was lost, unless it already finished.
-
-    Prefork: SIGUSR1 to this child raises ``SoftTimeLimitExceeded`` in the task thread, even
-    out of a blocking sleep. Threads and solo: an asynchronous ``LeaseLostError`` in the
-    task's thread, raised when that thread next runs Python code (SIGUSR1 would make the
-    main process dump tracebacks there).
-    """
-    with lease.lock:
-        if lease.body_done:
-            return
-        if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
-            logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
-            os.kill(os.getpid(), signal.SIGUSR1)
-            return
-        logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(lease.thread_id), ctypes.py_object(LeaseLostError))
 
 
 def body_finished(lease: OwnedLease) -> None:
@@ -349,7 +209,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
     )
     # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
     if events.enabled(task.app):
-        _event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+        send_lease_event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,

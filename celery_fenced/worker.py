@@ -22,10 +22,11 @@ from celery import Celery, bootsteps, signals
 from redis.exceptions import RedisError, ResponseError
 
 from . import events
-from .attempt import acquire, release, set_pool_kind, stop_heartbeats
+from .attempt import acquire, release, stop_heartbeats
 from .backend import FencedRedisBackend
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
+from .hooks import set_pool_kind
 from .reaper import register_reaper_task
 
 __all__ = ["check_worker", "connect_worker_hooks"]

@@ -1,0 +1,151 @@
+"""``fenced+rediss://``: leases, fenced writes and the reaper over TLS, against a real server.
+
+The server is PATH's ``redis-server`` with a TLS port beside its plain one (the broker uses
+the plain port); the certificates are made for the test with the ``openssl`` command. Where
+either cannot do TLS, the test skips and says which.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from port_for import get_port
+
+from celery_fenced import ProgressLeasedTask
+from celery_fenced.testing import FencedHelpers
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def make_certificates(directory: Path) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1, signed by it (valid one day)."""
+    names = ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt", "san.cnf")
+    files = {name: str(directory / name) for name in names}
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ca = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=celery-fenced test CA"]
+    request = ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"]
+    sign = ["x509", "-req", "-days", "1", "-CAcreateserial", "-extfile", files["san.cnf"]]
+    for argv in (
+        [*ca, "-keyout", files["ca.key"], "-out", files["ca.crt"]],
+        [*request, "-keyout", files["server.key"], "-out", files["server.csr"]],
+        [
+            *sign,
+            "-in",
+            files["server.csr"],
+            "-CA",
+            files["ca.crt"],
+            "-CAkey",
+            files["ca.key"],
+            "-out",
+            files["server.crt"],
+        ],
+    ):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=directory)
+    return {name: Path(path) for name, path in files.items()}
+
+
+class TlsRedis:
+    """A redis-server with a plain port and a TLS port, its certificates made for the test."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None or shutil.which("openssl") is None:
+            pytest.skip("needs redis-server and openssl on PATH to run Redis over TLS")
+        self.certs = make_certificates(directory)
+        self.port, self.tls_port = int(get_port(None)), int(get_port(None))  # type: ignore[arg-type]
+        argv = [binary, "--port", str(self.port), "--tls-port", str(self.tls_port), "--bind", "127.0.0.1"]
+        argv += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
+        argv += ["--tls-ca-cert-file", str(self.certs["ca.crt"]), "--tls-auth-clients", "no"]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
+        self.log = directory / "redis.log"
+        self.process = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while not self._answers():
+            if self.process.poll() is not None:
+                output = self.log.read_text(errors="replace")
+                if "TLS" in output:
+                    pytest.skip(f"PATH's redis-server cannot serve TLS: {output.strip().splitlines()[-1]}")
+                raise AssertionError(f"redis-server exited:\n{output}")
+            assert time.monotonic() < deadline, "redis-server over TLS did not answer"
+            time.sleep(0.05)
+
+    def tls_url(self, db: int) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={self.certs['ca.crt']}"
+
+    def tls_client(self, db: int) -> redis.Redis:
+        return redis.Redis.from_url(self.tls_url(db))
+
+    def _answers(self) -> bool:
+        try:
+            with self.tls_client(0) as client:
+                return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
+    server = TlsRedis(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def tls_app(tls_redis: TlsRedis) -> Iterator[Celery]:
+    app = Celery("fenced_tls", set_as_current=False)
+    app.conf.update(
+        broker_url=f"redis://127.0.0.1:{tls_redis.port}/0",
+        result_backend="fenced+" + tls_redis.tls_url(1),
+        worker_prefetch_multiplier=1,
+        fenced_lease_ttl=3,
+        fenced_heartbeat_interval=0.5,
+        fenced_default_stage_timeout=2,
+        fenced_requeue_timeout=5,
+    )
+    yield app
+    app.close()
+
+
+def test_fenced_rediss_stores_results_fences_writes_and_reaps_over_tls(tls_redis: TlsRedis, tls_app: Celery) -> None:
+    runs: list[int] = []
+
+    @tls_app.task(bind=True, base=ProgressLeasedTask)
+    def report(self: Any, rows: int) -> int:
+        runs.append(int(self.fencing_token))
+        for _ in range(rows):
+            self.progress("load-data")
+            time.sleep(0.1)
+        return rows
+
+    helpers = FencedHelpers(tls_app)
+    assert isinstance(tls_app.backend.client.connection_pool.get_connection(), redis.SSLConnection)
+    tls_app.loader.import_module("celery.contrib.testing.tasks")
+    with start_worker(tls_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10):
+        done = report.delay(1)
+        assert done.get(timeout=15) == 1
+        assert helpers.wait_for_lease(done.id, "DONE").owner_token == runs[0]
+
+        taken = report.delay(15)  # runs about 1.5 s: long enough to be taken over while it runs
+        helpers.wait_for_lease(taken.id, "RUNNING")
+        assert helpers.expire_now(taken.id) == "expired"
+        assert helpers.reap().requeued == [taken.id]
+        assert taken.get(timeout=20) == 15
+        wait_until(lambda: len(runs) == 3, 10, "the second attempt to run")
+        state = helpers.wait_for_lease(taken.id, "DONE")
+        assert (state.attempt, state.takeovers, state.owner_token) == (2, 1, runs[2])
+        helpers.assert_stale_write_refused(taken.id, runs[1])  # the first attempt's token
+        assert taken.get(timeout=5) == 15

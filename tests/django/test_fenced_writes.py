@@ -90,7 +90,8 @@ def test_fenced_cache_set_on_a_django_redis_alias(settings: Any, redis_server: A
     with pytest.raises(StaleOwnerError):
         fenced_cache_set("report:1", "zombie", 8, alias="redis")
     assert caches["redis"].get("report:1") == "v9"
-    redis_server.client(5).flushdb()
+    with redis_server.client(5) as client:
+        client.flushdb()
 
 
 def test_the_app_config_refuses_bad_settings(settings: Any) -> None:

@@ -93,7 +93,8 @@ class TlsRedis:
         argv += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
         argv += ["--tls-ca-cert-file", str(self.certs["ca.crt"]), "--tls-auth-clients", "no"]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
-        self.process = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        with self.log.open("wb") as log:  # the server keeps its own copy of the handle
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while not self._answers():
             if self.process.poll() is not None:
@@ -158,7 +159,7 @@ def test_fenced_rediss_stores_results_fences_writes_and_reaps_over_tls(tls_redis
         return rows
 
     helpers = FencedHelpers(tls_app)
-    assert isinstance(tls_app.backend.client.connection_pool.get_connection(), redis.SSLConnection)
+    assert issubclass(tls_app.backend.client.connection_pool.connection_class, redis.SSLConnection)
     tls_app.loader.import_module("celery.contrib.testing.tasks")
     with start_worker(tls_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10):
         done = report.delay(1)

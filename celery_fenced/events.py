@@ -2,7 +2,8 @@
 
 Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progress`` (a stage
 change, sent by the heartbeat after the renewal that published it), ``task-stalled``,
-``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``. They go
+``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``; and Celery's
+``task-failed`` for an attempt stopped at ``fenced_max_task_duration``. They go
 through the app's event dispatcher with an explicit uuid (the heartbeat thread has no task
 request), only when task events are on (``-E`` or ``worker_send_task_events``), and never
 from ``progress()``. Sending is best effort: a broker error drops the event, not the task.
@@ -18,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-__all__ = ["EVENT_TYPES", "configure", "send"]
+__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "send"]
 
 logger = logging.getLogger("celery_fenced.events")
 
@@ -30,6 +31,10 @@ EVENT_TYPES = (
     "task-fenced",
     "task-abandoned",
 )
+
+#: Celery's own event for an attempt the package ended itself (past ``fenced_max_task_duration``
+#: the attempt ends as an ``Ignore``, for which the worker sends nothing).
+CELERY_EVENT_TYPES = ("task-failed",)
 
 _settings: dict[str, Any] = {"enabled": None, "hostname": None}
 _dispatchers: dict[tuple[int, Celery], Any] = {}  # keyed by the app, not its reusable id()
@@ -77,7 +82,7 @@ def send(
     **fields: Any,
 ) -> bool:
     """Send one event about ``task_id``; returns False when events are off or sending failed."""
-    if event_type not in EVENT_TYPES:
+    if event_type not in EVENT_TYPES and event_type not in CELERY_EVENT_TYPES:
         raise ValueError(f"unknown event type {event_type!r}")
     if not enabled(app):
         return False

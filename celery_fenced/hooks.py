@@ -53,6 +53,11 @@ class WorkerHooks:
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         send_lease_event(self.app, "task-lease-lost", lease, reason=reason)
+        self._tell_the_body(lease, reason)
+
+    @staticmethod
+    def _tell_the_body(lease: OwnedLease, reason: str) -> None:
+        """The ``lease_lost`` signal, then the interrupt where the task asks for one."""
         fenced_signals.lease_lost.send(
             sender=lease.task_name, task_id=lease.task_id, token=lease.token, stage=lease.stage, reason=reason
         )
@@ -95,24 +100,16 @@ class WorkerHooks:
             lease.token,
         )
         request = Context(id=lease.task_id, task=lease.task_name, fenced_lease=lease, hostname=socket.gethostname())
+        failure = TimeLimitExceeded(f"fenced_max_task_duration ({limit:g}s) exceeded")
         try:
-            self.app.backend.store_result(
-                lease.task_id,
-                TimeLimitExceeded(f"fenced_max_task_duration ({limit:g}s) exceeded"),
-                celery_states.FAILURE,
-                request=request,
-            )
+            self.app.backend.store_result(lease.task_id, failure, celery_states.FAILURE, request=request)
         except Exception:
             logger.exception("could not store the max-duration FAILURE of task %s", lease.task_id)
-        fenced_signals.lease_lost.send(
-            sender=lease.task_name,
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            reason=lease.lost_reason,
-        )
-        if lease.policy.interrupt_on_loss:
-            interrupt(lease)
+        if getattr(request, "fenced_write", None) == "stored":
+            # The attempt now ends as an Ignore, for which the worker sends no event: without
+            # this one, Flower would show the task running for good.
+            send_lease_event(self.app, "task-failed", lease, exception=repr(failure), traceback="")
+        self._tell_the_body(lease, lease.lost_reason or "max task duration exceeded")
 
     def renewed(self, leases: list[OwnedLease]) -> None:
         for lease in leases:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from port_for import get_port
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, lease
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
@@ -173,3 +173,30 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
     target = os.environ.get("FENCED_SCREENSHOT_TO")
     if target:
         shutil.copy(picture, target)
+
+
+def test_flower_shows_a_task_past_its_max_duration_as_failed(cluster: Cluster) -> None:
+    """The worker sends nothing for an attempt it stopped (its end is an Ignore): the FAILURE
+    stored at fenced_max_task_duration must reach Flower as its own task-failed event."""
+    port = get_port(None)
+    app = cluster.app()
+    cluster.command(
+        "flower",
+        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+        "Visit me at",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
+    cluster.worker("w1")
+    result = app.endless.delay()
+    with pytest.raises(Exception, match="fenced_max_task_duration"):
+        result.get(timeout=15)
+    wait_until(lambda: cluster.record.llen(f"lost:{result.id}"), 10, "the body to be told")
+
+    def state() -> str:
+        response = httpx.get(f"http://127.0.0.1:{port}/api/task/info/{result.id}", timeout=5)
+        return str(response.json().get("state")) if response.status_code == 200 else ""
+
+    wait_until(lambda: state() == "FAILURE", 15, "Flower to show the task as FAILURE")
+    task = httpx.get(f"http://127.0.0.1:{port}/api/task/info/{result.id}", timeout=5).json()
+    assert "fenced_max_task_duration" in str(task.get("exception"))
+    assert task["token"] == int(lease(cluster, result.id)["ownerToken"])

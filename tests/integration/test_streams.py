@@ -53,7 +53,9 @@ def test_a_slow_first_token_fires_the_first_token_timeout(cluster: Cluster, ai: 
     # The stall is logged first, then the loss that names the deadline: wait for the second.
     wait_until(lambda: "first token timeout (1s)" in worker.log(), 20, "the first-token timeout")
     assert "(first token timeout 1.0s), on_stall=release" in worker.log()
-    result.forget()
+    assert result.get(timeout=30) == CHUNKS  # the task asks for "slow" on its first attempt only
+    runs = cluster.runs(result.id)
+    assert len(runs) == 2 and runs[1]["token"] > runs[0]["token"]
 
 
 def test_the_total_timeout_bounds_a_stream_that_keeps_trickling(cluster: Cluster, ai: AIServer) -> None:

@@ -79,9 +79,9 @@ def send_and_poll(task, count: int, seconds: float, timeout: float = 120) -> Non
             raise TimeoutError(f"{len(pending)} of {count} results not stored within {timeout:g}s")
         found = backend.client.mget(pending)
         for value in found:
-            if value is not None and b'"SUCCESS"' not in value:
-                raise RuntimeError(f"a task did not succeed: {value[:300]!r}")
-        pending = [key for key, value in zip(pending, found, strict=True) if value is None]
+            if value is not None and b'"FAILURE"' in value:
+                raise RuntimeError(f"a task failed: {value[:300]!r}")
+        pending = [key for key, value in zip(pending, found, strict=True) if not value or b'"SUCCESS"' not in value]
         if pending:
             time.sleep(0.005)
 

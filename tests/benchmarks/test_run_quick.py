@@ -7,29 +7,17 @@ measured, not asserted (see docs/performance.rst).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import run_project_python
 
 pytestmark = pytest.mark.integration
 
 
 def test_every_benchmark_runs_and_prints_its_figures() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
+    output = run_project_python(["benchmarks/run.py", "--quick"], env, timeout=600)
     for figure in (
         "ratio progress('load-data') / HSET",
         "timer lock: PEXPIRE each",

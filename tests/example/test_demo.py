@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import run_project_python
 
 pytestmark = pytest.mark.integration
 
@@ -18,16 +18,7 @@ def test_the_demo_runs_green_with_an_embedded_redis(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DJANGO_SETTINGS_MODULE")}
     env["PATH"] = str(Path(sys.executable).parent)  # no redis-server on PATH: the demo embeds one
     env["HOME"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-m", "example_project.demo", "--reports", "4"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
+    output = run_project_python(["-m", "example_project.demo", "--reports", "4"], env, timeout=240)
     assert "reports done:            4/4" in output
     assert "OK: every report stored exactly once" in output
     assert "stalls detected:         1" in output  # the stream that stopped mid-way

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["CeleryProcess", "wait_until"]
+__all__ = ["CeleryProcess", "run_project_python", "wait_until"]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
@@ -31,6 +33,14 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def run_project_python(argv: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run ``python ARGV`` in the project's root to its end; its output, once it exited 0."""
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    return output
 
 
 class CeleryProcess:

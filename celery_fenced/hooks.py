@@ -90,7 +90,8 @@ class WorkerHooks:
 
     def duration_exceeded(self, lease: OwnedLease) -> None:
         limit = lease.policy.max_task_duration
-        if not lease.mark_lost(f"max task duration exceeded ({limit:g}s)"):
+        reason = f"max task duration exceeded ({limit:g}s)"
+        if not lease.mark_lost(reason):
             return
         logger.error(
             "task %s[%s] ran past fenced_max_task_duration (%ss): FAILURE stored, token=%s",
@@ -109,7 +110,7 @@ class WorkerHooks:
             # The attempt now ends as an Ignore, for which the worker sends no event: without
             # this one, Flower would show the task running for good.
             send_lease_event(self.app, "task-failed", lease, exception=repr(failure), traceback="")
-        self._tell_the_body(lease, lease.lost_reason or "max task duration exceeded")
+        self._tell_the_body(lease, reason)
 
     def renewed(self, leases: list[OwnedLease]) -> None:
         for lease in leases:

@@ -17,4 +17,3 @@ html_theme = "alabaster"
 exclude_patterns = ["_build"]
 html_static_path = ["_static"]
 nitpicky = False
-suppress_warnings = ["autodoc.import_object"]

@@ -1,0 +1,61 @@
+"""The root ``conftest.py`` that ``run.py`` puts beside Celery's ``t/`` (not collected here).
+
+``FENCED_CELERY_SUITE`` picks the run:
+
+* ``plain``: Celery's suite as Celery runs it (the baseline);
+* ``backend``: Celery's ``redis`` backend alias mapped to ``FencedRedisBackend``, tasks unchanged;
+* ``fenced``: the same backend, and every task of the suite a ``ProgressLeasedTask``.
+
+The URL stays ``redis://`` so that the suite's chord tests, which skip unless
+``result_backend`` starts with ``redis``, run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from celery.loaders.app import AppLoader
+
+MODE = os.environ.get("FENCED_CELERY_SUITE", "plain")
+if MODE not in ("plain", "backend", "fenced"):
+    raise RuntimeError(f"FENCED_CELERY_SUITE must be plain, backend or fenced, not {MODE!r}")
+
+
+class FencedBackendLoader(AppLoader):
+    """Celery's app loader, with the ``redis`` backend alias served by the fenced backend."""
+
+    override_backends = {"redis": "celery_fenced.backend:FencedRedisBackend"}
+
+
+@pytest.fixture(scope="session")
+def celery_parameters() -> dict[str, Any]:
+    parameters: dict[str, Any] = {}
+    if MODE in ("backend", "fenced"):
+        parameters["loader"] = FencedBackendLoader
+    if MODE == "fenced":
+        parameters["task_cls"] = "celery_fenced:ProgressLeasedTask"
+    return parameters
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fenced_suite_is_what_it_says(celery_session_app: Any) -> None:
+    """Fail at once if the mode did not take: a run that silently tested plain Celery proves nothing."""
+    from celery_fenced import FencedRedisBackend, ProgressLeasedTask
+
+    fenced_backend = isinstance(celery_session_app.backend, FencedRedisBackend)
+    assert fenced_backend == (MODE != "plain"), f"{MODE} run with {type(celery_session_app.backend).__name__}"
+    fenced_tasks = issubclass(celery_session_app.Task, ProgressLeasedTask)
+    assert fenced_tasks == (MODE == "fenced"), f"{MODE} run with tasks of {celery_session_app.Task.__mro__}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Cap every test's timeout (Celery's ``flaky`` tests carry 300 s): a hang costs one cap."""
+    cap = float(os.environ.get("FENCED_CELERY_SUITE_TIMEOUT", "30"))
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = float(
+            marker.args[0] if marker and marker.args else (marker.kwargs.get("timeout", cap) if marker else cap)
+        )
+        item.add_marker(pytest.mark.timeout(min(seconds, cap)), append=False)

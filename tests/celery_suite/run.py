@@ -1,0 +1,137 @@
+"""Celery's own integration suite, run against celery-fenced.
+
+    python tests/celery_suite/run.py --mode fenced [--tests test_canvas.py ...] [--timeout 30]
+
+The suite comes from the sdist of the installed Celery (``pip download``, cached). The runner
+puts ``overlay_conftest.py`` at the sdist's root as ``conftest.py``, starts a private
+``redis-server`` for broker and backend, and runs the suite with a short per-test timeout
+(a test that hangs costs one timeout: no reruns). ``--mode`` is ``plain`` (Celery as it is,
+the baseline), ``backend`` (``FencedRedisBackend`` under the ``redis://`` URL) or ``fenced``
+(that backend, and every task a ``ProgressLeasedTask``).
+
+It passes when every test that failed is listed in ``baseline-failures.txt`` (tests that fail
+with plain ``redis://`` on this machine too) or, for the fenced modes, in
+``known-fenced-failures.txt`` (defects not yet fixed; the list only shrinks). It prints the
+listed tests that passed, so a list can be trimmed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ET
+from importlib.metadata import version
+from importlib.util import find_spec
+from pathlib import Path
+
+from celery_fenced.testing import RedisServer, default_binary
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_TESTS = ("test_tasks.py", "test_canvas.py")
+CACHE = Path(os.environ.get("FENCED_CELERY_SDIST_CACHE", Path.home() / ".cache" / "celery-fenced" / "celery-sdist"))
+
+
+def celery_sdist() -> Path:
+    """The sdist of the installed Celery, downloaded once into the cache."""
+    wanted = version("celery")
+    found = sorted(CACHE.glob(f"celery-{wanted}.tar.gz"))
+    if not found:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        download = ["download", "-q", "--no-deps", "--no-binary", ":all:", f"celery=={wanted}", "-d", str(CACHE)]
+        subprocess.run([sys.executable, "-m", "pip", *download], check=True)
+        found = sorted(CACHE.glob(f"celery-{wanted}.tar.gz"))
+    return found[0]
+
+
+def unpack(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as archive:
+        archive.extractall(into, filter="data")
+    (root,) = into.iterdir()
+    shutil.copy(HERE / "overlay_conftest.py", root / "conftest.py")
+    return root
+
+
+def listed(name: str) -> set[str]:
+    path = HERE / name
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {line.split("#", 1)[0].strip() for line in lines} - {""}
+
+
+def outcomes(junit: Path) -> tuple[set[str], set[str], int]:
+    """(failed ids, passed ids, skipped count) from a JUnit report; ids are ``file::Class::test``."""
+    failed: set[str] = set()
+    passed: set[str] = set()
+    skipped = 0
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module, _, cls = case.get("classname", "").removeprefix("t.integration.").partition(".")
+        test_id = "::".join(filter(None, (f"{module}.py", cls, case.get("name", ""))))
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.add(test_id)
+        elif case.find("skipped") is not None:
+            skipped += 1
+        else:
+            passed.add(test_id)
+    return failed, passed - failed, skipped
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("plain", "backend", "fenced"), required=True)
+    parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="files of t/integration")
+    parser.add_argument("--timeout", type=int, default=30, help="per-test timeout, seconds")
+    parser.add_argument("--keep", type=Path, help="keep the work folder here (for a look afterwards)")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix=f"celery-suite-{args.mode}-"))
+    root = unpack(celery_sdist(), work / "src")
+    redis = RedisServer(default_binary(), work).start()
+    junit = work / "junit.xml"
+    env = dict(
+        os.environ,
+        FENCED_CELERY_SUITE=args.mode,
+        FENCED_CELERY_SUITE_TIMEOUT=str(args.timeout),
+        TEST_BROKER=redis.url(0),
+        TEST_BACKEND=redis.url(1),
+        REDIS_HOST="127.0.0.1",
+        REDIS_PORT=str(redis.port),
+    )
+    argv = [sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest", "-p", "no:cacheprovider"]
+    if find_spec("pytest_rerunfailures") is not None:
+        argv += ["-p", "no:rerunfailures"]
+    argv += [f"--timeout={args.timeout}", "-q", "-rfE", f"--junitxml={junit}"]
+    argv += [f"t/integration/{name}" for name in args.tests] + args.pytest_args
+    print(f"celery suite ({args.mode}): {' '.join(argv[1:])}", flush=True)
+    try:
+        subprocess.run(argv, cwd=root, env=env, check=False)
+    finally:
+        redis.stop()
+    if not junit.exists():
+        print("celery suite: pytest wrote no report", file=sys.stderr)
+        return 1
+    failed, passed, skipped = outcomes(junit)
+    if args.keep:
+        shutil.copytree(work, args.keep, dirs_exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+    allowed = listed("baseline-failures.txt")
+    if args.mode != "plain":
+        allowed |= listed("known-fenced-failures.txt")
+    new = sorted(failed - allowed)
+    trimmed = sorted(allowed & passed)
+    print(f"\ncelery suite ({args.mode}): {len(passed)} passed, {len(failed)} failed, {skipped} skipped")
+    if trimmed:
+        print("listed as failing, passed this time:\n  " + "\n  ".join(trimmed))
+    if new:
+        print("FAILED, and not listed as a known failure:\n  " + "\n  ".join(new))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,7 +132,7 @@ class MetricsBuffer:
         deltas = self.take()
         if not deltas:
             return
-        args: list[Any] = []
+        args: list[Any] = [MAX_METRIC_FIELDS]
         for key, value in deltas.items():
             args += [key, repr(float(value))]
         try:
@@ -141,6 +141,10 @@ class MetricsBuffer:
             logger.debug("metrics flush failed (%r); kept for the next one", exc)
             self.give_back(deltas)
 
+
+#: The most fields the cluster's metrics hash grows to: new stage series beyond it are
+#: counted under the stage "other" (stage names come from task code and may be dynamic).
+MAX_METRIC_FIELDS = 4096
 
 #: This process's buffer.
 buffer = MetricsBuffer()

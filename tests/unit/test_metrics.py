@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
 from celery_fenced.metrics import MetricsBuffer
 
@@ -43,3 +44,26 @@ def test_unknown_names_are_refused() -> None:
         buffer.observe("owner_nope_seconds", 1.0)
     with pytest.raises(KeyError, match="unknown counter"):
         buffer.inc("owner_nope_total")
+
+
+def test_new_stage_series_past_the_bound_are_counted_under_other(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_fenced import metrics
+    from celery_fenced.keys import KeySpace
+    from celery_fenced.lease import LeaseStore
+
+    store = LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
+    monkeypatch.setattr(metrics, "MAX_METRIC_FIELDS", 20)
+    buffer = MetricsBuffer()
+    for stage in ("known", "dynamic-1", "dynamic-2", "dynamic-3"):
+        buffer.observe("owner_stage_duration_seconds", 0.1, stage=stage)
+        buffer.flush(store)
+    buffer.observe("owner_stage_duration_seconds", 0.1, stage="known")  # an existing series still counts
+    buffer.flush(store)
+    fields = {k.decode() for k in redis_client.hkeys(store.keys.metrics)}
+    stages = {f.split("stage=", 1)[1].split("|", 1)[0] for f in fields}
+    assert stages == {"known", "dynamic-1", "other"}  # about 18 fields a stage: the third is past 20
+    known = redis_client.hget(store.keys.metrics, "owner_stage_duration_seconds|stage=known|count")
+    other = redis_client.hget(store.keys.metrics, "owner_stage_duration_seconds|stage=other|count")
+    assert float(known) == 2 and float(other) == 2  # type: ignore[arg-type]

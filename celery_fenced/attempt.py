@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Celery
 from celery import states as celery_states
@@ -124,6 +124,82 @@ def store_late_result(task: Any, request: Any, retval: Any) -> bool:
     return False
 
 
+def _stop_serving(task: Any, lease: OwnedLease) -> bool:
+    """The attempt ends its lease itself: no more renewals; False if it already ended or was lost."""
+    if current_lease() is lease:
+        set_current_lease(None)
+    heartbeat = heartbeat_for(task.app, create=False)
+    if heartbeat is not None:
+        heartbeat.unregister(lease)
+    with lease.lock:
+        if lease.ended or lease.lost_reason is not None:
+            lease.ended = True
+            return False
+        lease.ended = True
+    count_lease_activity(lease, ended=True)
+    return True
+
+
+def _lost_on_end(lease: OwnedLease, code: str, what: str) -> NoReturn:
+    with lease.lock:
+        lease.lost_reason = lease.lost_reason or f"{what} refused: {code}"
+    raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason)
+
+
+def hand_off(task: Any, lease: OwnedLease) -> None:
+    """Pass the task id to the replacement ``Task.replace()`` is about to send.
+
+    The lease is deleted, so the replacement (same task id) starts afresh and, if fenced,
+    takes a new, higher token. An owner that lost its lease sends no replacement: it gets
+    :class:`LeaseLostError` (the body ends as ``Ignore``).
+    """
+    if not _stop_serving(task, lease):
+        raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
+    store = task.backend.lease_store
+    code = task.backend.retrying(partial(store.hand_off, lease.task_id, lease.owner_id, lease.token))
+    if code not in ("ok", "missing"):  # "missing": gone already (or asked twice): pass it on all the same
+        _lost_on_end(lease, code, "hand-off to the replacement")
+    logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
+
+
+def retry_due(task: Any, lease: OwnedLease, delay: float) -> None:
+    """Move the lease to RETRYING *before* ``retry()`` publishes the retry message.
+
+    Celery sends the retry message before it stores RETRY; with a short countdown the
+    message can arrive while the lease still says RUNNING and be dropped as a duplicate.
+    RETRYING lets it acquire at once; the reaper looks again after its eta plus
+    ``fenced_requeue_timeout``.
+    """
+    if not _stop_serving(task, lease):
+        raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
+    due_ms = int((delay + ensure_conf(task.app).requeue_timeout) * 1000)
+    release_once = partial(
+        task.backend.lease_store.release,
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        status=LeaseStatus.RETRYING,
+        due_in_ms=due_ms,
+    )
+    code = task.backend.retrying(release_once)
+    if code != "ok":
+        _lost_on_end(lease, code, "retry")
+    lease.retrying = True
+
+
+def store_rejection(task: Any, request: Any, exc: BaseException) -> None:
+    """``Reject(requeue=False)``: store its FAILURE with the token, before the lease ends.
+
+    Celery's main process writes that FAILURE (tokenless) only after the child's postrun;
+    stored here through the fence, with Celery's side effects (chord part, chain, errbacks),
+    the main process's later write finds the task finished and is dropped, side effects and all.
+    Where errors are not stored, the main process's call runs the side effects alone.
+    """
+    if get_actual_ignore_result(task, request) and not task.store_errors_even_if_ignored:
+        return
+    task.backend.mark_as_failure(request.id, exc, request=request)
+
+
 def send_again(task: Any, request: Any) -> None:
     """Send a delivery whose lease could not be acquired (Redis unreachable) again."""
     logger.error("could not acquire the lease of task %s[%s]: sending it again", task.name, request.id)
@@ -187,6 +263,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         attempt=state.attempt,
         takeovers=state.takeovers,
         policy=policy,
+        call=acquire_once.keywords["call"],
         last_progress=started,
         renewed=started,
         started=started,
@@ -221,19 +298,8 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
 def release(task: Any, request: Any, state: str | None) -> None:
     """End a lease that no result write ended."""
     lease: OwnedLease | None = getattr(request, "fenced_lease", None)
-    if lease is None:
+    if lease is None or not _stop_serving(task, lease):
         return
-    if current_lease() is lease:
-        set_current_lease(None)
-    heartbeat = heartbeat_for(task.app, create=False)
-    if heartbeat is not None:
-        heartbeat.unregister(lease)
-    with lease.lock:
-        if lease.ended or lease.lost_reason is not None:
-            lease.ended = True
-            return
-        lease.ended = True
-    count_lease_activity(lease, ended=True)
     conf = ensure_conf(task.app)
     backend = task.backend
     due_ms = 0

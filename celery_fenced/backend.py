@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cached_property, partial
 from typing import Any, TypeVar
 
 from celery import states
+from celery.app.task import Context
 from celery.backends.base import _is_request_ignore_result
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
@@ -49,6 +50,34 @@ def _is_worker_lost(result: Any) -> bool:
     if isinstance(result, dict):
         return result.get("exc_type") == "WorkerLostError"
     return type(result).__name__ == "WorkerLostError"
+
+
+def request_of_call(task_id: str, call: Mapping[str, Any]) -> Context:
+    """A request rebuilt from a recorded call: enough for Celery's chord, chain and errback code."""
+    options = call.get("options") or {}
+    return Context(
+        id=task_id,
+        task=call.get("task"),
+        args=list(call.get("args") or ()),
+        kwargs=dict(call.get("kwargs") or {}),
+        root_id=options.get("root_id"),
+        parent_id=options.get("parent_id"),
+        group=options.get("group_id"),
+        group_index=options.get("group_index"),
+        chord=options.get("chord"),
+        chain=options.get("chain"),
+        callbacks=options.get("link"),
+        errbacks=options.get("link_error"),
+        delivery_info={"is_eager": False},
+    )
+
+
+def _main_process_writer(request: Any) -> str:
+    """``"<hostname>/<pid>/"``, the owner-id prefix of the process that ran a tokenless write's
+    task; ``""`` when no process ran it (a copy revoked or expired before it started)."""
+    hostname = getattr(request, "hostname", None)
+    pid = getattr(request, "worker_pid", None)
+    return f"{hostname}/{pid}/" if hostname and pid else ""
 
 
 def _global_keyprefix(app: Any) -> str:
@@ -113,6 +142,8 @@ class FencedRedisBackend(RedisBackend):
         if request is not None and state == states.SUCCESS and getattr(request, "fenced_result_stored", False):
             return result  # already stored through the fence by the task itself
         owned: OwnedLease | None = getattr(request, "fenced_lease", None)
+        if owned is not None and owned.task_id != task_id:
+            owned = None  # update_state(task_id=<another task>): not this owner's lease to fence
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
         if owned is not None:
@@ -135,8 +166,9 @@ class FencedRedisBackend(RedisBackend):
             kind=kind,
             expires_ms=self._expires_ms(state),
             retry_due_ms=int((retry_delay + conf.requeue_timeout) * 1000),
-            writer_host=str(getattr(request, "hostname", "") or ""),
+            writer=_main_process_writer(request) if owned is None else "",
             worker_lost=worker_lost,
+            owner_id=owned.owner_id if owned is not None else "",
         )
         outcome: StoreResult = self.retrying(store)
         if request is not None:
@@ -148,13 +180,18 @@ class FencedRedisBackend(RedisBackend):
     def _after_store(self, task_id: str, state: str, owned: OwnedLease | None, outcome: StoreResult) -> None:
         code = outcome.code
         if code == "stored":
-            if owned is not None and outcome.detail in ("DONE", "RETRYING"):
+            if owned is not None and outcome.detail in ("DONE", "RETRYING") and not owned.ended:
                 owned.ended = True
                 count_lease_activity(owned, ended=True)
                 if state == states.SUCCESS:
                     metrics.observe("owner_task_total_duration_seconds", time.monotonic() - owned.started)
             return
         name = owned.task_name if owned is not None else None
+        if code == "stale" and owned is not None and owned.retrying and state == states.RETRY:
+            # The retry message was acquired before this RETRY write: the retry's new owner
+            # holds the task now, and its STARTED must not be overwritten.
+            logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, outcome.detail)
+            return
         if code == "stale":
             current = int(outcome.detail) if outcome.detail.isdigit() else None
             logger.warning(
@@ -241,20 +278,57 @@ class FencedRedisBackend(RedisBackend):
         call_errbacks: bool = True,
         state: str = states.FAILURE,
     ) -> None:
-        """Store a FAILURE; a refused write runs no chord, chain or errback side effect."""
+        """Store a FAILURE; a refused write runs no chord, chain or errback side effect.
+
+        The side effects are Celery's own (``BaseBackend.mark_as_failure``), run here after
+        the fenced write: the chord part, the FAILURE of every later chain step (stored as
+        Celery stores it, unless results are not stored), and the errbacks.
+        """
         if store_result:
             self.store_result(task_id, exc, state, traceback=traceback, request=request)
-        if self._refused(request):
+        if self._refused(request) or not request:
             return
-        super().mark_as_failure(
-            task_id,
-            exc,
-            traceback=traceback,
-            request=request,
-            store_result=False,
-            call_errbacks=call_errbacks,
-            state=state,
-        )
+        self.failure_side_effects(request, exc, state, traceback, store_chain=store_result, errbacks=call_errbacks)
+
+    def failure_side_effects(
+        self,
+        request: Any,
+        exc: Any,
+        state: str = states.FAILURE,
+        traceback: Any = None,
+        *,
+        store_chain: bool = True,
+        errbacks: bool = True,
+    ) -> None:
+        """What Celery does after it stores a FAILURE: count the chord part, store the
+        FAILURE of every later chain step, call the errbacks."""
+        if request.chord:
+            self.on_chord_part_return(request, state, exc)
+        self._fail_chain(getattr(request, "chain", None), exc, traceback, store_result=store_chain, state=state)
+        if errbacks and request.errbacks:
+            self._call_task_errbacks(request, exc, traceback)
+
+    def ended_without_owner(self, task_id: str, call: Any, exc: BaseException, state: str) -> None:
+        """Run Celery's side effects for a READY state stored without an owner's write.
+
+        The reaper's ABANDONED, ``celery fenced cancel`` and the ``fenced_max_task_duration``
+        stop store their result in a script of their own; the chord part, later chain steps
+        and errbacks of the task still need what Celery would do after such a write. The
+        request is rebuilt from the call recorded at acquire. Called once per task: by the
+        one caller whose script stored the result.
+        """
+        if not call:
+            logger.warning("task %s has no recorded call: its chord, chain and errbacks are not run", task_id)
+            return
+        request = request_of_call(task_id, call)
+        try:
+            if state == states.REVOKED:
+                if request.chord:
+                    self.on_chord_part_return(request, state, exc)
+            else:
+                self.failure_side_effects(request, exc, state)
+        except Exception:
+            logger.exception("could not run the chord, chain and errback side effects of task %s", task_id)
 
     def mark_as_revoked(
         self,
@@ -282,8 +356,7 @@ class FencedRedisBackend(RedisBackend):
 
     def abandoned_meta(self, task_id: str, token: int) -> Any:
         """The FAILURE stored for a task taken over too often."""
-        exc = TaskAbandonedError(f"task {task_id} was taken over too many times and is abandoned")
-        return self.encoded_meta(task_id, exc, states.FAILURE, token)
+        return self.encoded_meta(task_id, TaskAbandonedError.of(task_id), states.FAILURE, token)
 
     def failure_expires_ms(self) -> int:
         """The expiry of a FAILURE result in milliseconds (0: none)."""

@@ -47,6 +47,11 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled") -> str:
     if code == "retry-later":  # a token was taken between reserve and script: take another
         code = backend.lease_store.cancel(task_id, revoked_meta, expires_ms=expires_ms)
     logger.warning("cancel of task %s: %s", task_id, code)
+    if code == "cancelled":
+        # A chord member's part is counted, as Celery counts a revoked one.
+        state = backend.lease_store.read(task_id)
+        call = state.call if state is not None else None
+        backend.ended_without_owner(task_id, call, TaskRevokedError(reason), states.REVOKED)
     return str(code)
 
 

@@ -89,6 +89,11 @@ class TaskAbandonedError(FencedError):
     waiting forever. ``celery fenced redrive TASK_ID`` puts the task back.
     """
 
+    @classmethod
+    def of(cls, task_id: str) -> TaskAbandonedError:
+        """The error stored for ``task_id``."""
+        return cls(f"task {task_id} was taken over too many times and is abandoned")
+
 
 class LeaseScriptError(FencedError):
     """A lease script returned a code this version does not know."""

@@ -89,6 +89,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._store: LeaseStore | None = None
+        self._waiting = default_interval  # the wait under way, seconds
         self.ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -118,11 +119,17 @@ class Heartbeat:
         return self._thread is not None and self._thread.is_alive()
 
     def register(self, lease: OwnedLease) -> None:
-        """Serve a new lease (starts the thread if needed)."""
+        """Serve a new lease (starts the thread if needed).
+
+        A lease whose heartbeat interval is shorter than the wait under way wakes the
+        thread, which then waits the shorter interval: it is renewed in time.
+        """
         self._leases[lease.owner_id] = lease
         thread = self._thread
         if thread is None or not thread.is_alive():
             self.start()
+        elif lease.policy.heartbeat_interval < self._waiting:
+            self._wake.set()
 
     def unregister(self, lease: OwnedLease) -> None:
         """Stop serving a lease."""
@@ -142,9 +149,11 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.tick()
+                self._waiting = self._interval()
             except Exception:  # the thread must never die silently
                 logger.exception("heartbeat tick failed; retrying on the next tick")
-            self._wake.wait(self._interval())
+                self._waiting = self._default_interval
+            self._wake.wait(self._waiting)
             self._wake.clear()
 
     def tick(self) -> None:
@@ -210,6 +219,9 @@ class Heartbeat:
         if policy.on_stall == "expire":
             if not lease.stalled_reported and self._lapse(lease, "expire", bound):
                 lease.stalled_reported = True
+                # No renewal comes any more: the owner is told now (event, signal, interrupt),
+                # not only when its local expiry check fires.
+                self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s); left to expire")
             return False, True
         if self._lapse(lease, "release", bound):
             lease.stalled_reported = True
@@ -257,6 +269,9 @@ class Heartbeat:
                 lease.renewed = sent
                 renewed.append(lease)
                 metrics.inc("owner_lease_renew_total")
+            elif code == "missing" and self._restore(lease):
+                lease.renewed = sent
+                renewed.append(lease)
             elif code == "finished" and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
@@ -267,6 +282,40 @@ class Heartbeat:
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
         if renewed:
             self._hooks.renewed(renewed)
+
+    def _restore(self, lease: OwnedLease) -> bool:
+        """Write back a lease whose hash vanished (eviction, FLUSH, a failover): True if done.
+
+        The owner keeps running under its token and the reaper can still re-send the task:
+        neither stops in silence. Where another delivery acquired it meanwhile, the next
+        renewal is refused as usual.
+        """
+        try:
+            code = self._get_store().restore(
+                lease.task_id,
+                lease.owner_id,
+                lease.token,
+                ttl_ms=lease.policy.lease_ttl_ms,
+                task_name=lease.task_name,
+                call=lease.call,
+                attempt=lease.attempt,
+                takeovers=lease.takeovers,
+                max_takeovers=lease.policy.max_takeovers,
+                stage=lease.stage or "",
+            )
+        except RedisError as exc:
+            logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
+            return False
+        if code != "restored":
+            return False
+        logger.warning(
+            "lease restored: task %s[%s] token=%s: its hash had vanished from Redis (eviction, FLUSH "
+            "or a failover that lost writes)",
+            lease.task_name,
+            lease.task_id,
+            lease.token,
+        )
+        return True
 
     def _lose(self, lease: OwnedLease, reason: str) -> bool:
         """Mark a lease lost, log it once and tell the hooks; True the first time."""

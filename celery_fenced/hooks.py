@@ -110,6 +110,9 @@ class WorkerHooks:
             # The attempt now ends as an Ignore, for which the worker sends no event: without
             # this one, Flower would show the task running for good.
             send_lease_event(self.app, "task-failed", lease, exception=repr(failure), traceback="")
+            backend = self.app.backend
+            state = backend.lease_store.read(lease.task_id)
+            backend.ended_without_owner(lease.task_id, state.call if state else None, failure, celery_states.FAILURE)
         self._tell_the_body(lease, reason)
 
     def renewed(self, leases: list[OwnedLease]) -> None:

@@ -47,10 +47,11 @@ _SIMPLE_CODES = {
     "lapse": frozenset({"ok", "stale-token", "not-owner", "not-running", "missing"}),
     "release": frozenset({"ok", "stale-token", "not-owner", "finished", "missing"}),
     "store": frozenset({"stored", "stale", "finished", "lapsed", "foreign", "sticky"}),
-    "claim": frozenset({"requeued", "abandoned", "not-due", "finished", "missing", "retry-later"}),
+    "claim": frozenset({"requeued", "abandoned", "not-due", "waiting", "finished", "missing", "retry-later"}),
     "cancel": frozenset({"cancelled", "finished", "retry-later"}),
     "redrive": frozenset({"redriven", "not-abandoned", "missing"}),
     "expire": frozenset({"expired", "not-live", "missing"}),
+    "restore": frozenset({"restored", "exists"}),
 }
 
 
@@ -176,6 +177,37 @@ class LeaseStore:
         args: list[Any] = [owner_id, _require_token(token), status.value, max(0, due_in_ms), max(0, keep_ms)]
         return _checked("release", self.scripts.release(keys=keys, args=args)[0])
 
+    def restore(
+        self,
+        task_id: str,
+        owner_id: str,
+        token: int,
+        *,
+        ttl_ms: int,
+        task_name: str,
+        call: Mapping[str, Any] | None,
+        attempt: int,
+        takeovers: int,
+        max_takeovers: int,
+        stage: str = "",
+    ) -> str:
+        """Put back the lease of a live owner after its hash vanished: ``"restored"`` or ``"exists"``."""
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.token, self.keys.index]
+        call_json = _CALL_ENCODER.encode(call) if call else ""
+        args: list[Any] = [owner_id, _require_token(token), ttl_ms, task_name, call_json, attempt, takeovers]
+        args += [max_takeovers, stage]
+        return _checked("restore", self.scripts.restore(keys=keys, args=args)[0])
+
+    def hand_off(self, task_id: str, owner_id: str, token: int) -> str:
+        """Pass the task id to a replacement (``Task.replace()``): the lease is deleted.
+
+        Returns ``"ok"``, or why the owner no longer holds it (``"stale-token"``,
+        ``"not-owner"``, ``"finished"``, ``"missing"``).
+        """
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        args: list[Any] = [owner_id, _require_token(token), "HANDOFF", 0, 0]
+        return _checked("release", self.scripts.release(keys=keys, args=args)[0])
+
     def store(
         self,
         task_id: str,
@@ -186,8 +218,9 @@ class LeaseStore:
         kind: str,
         expires_ms: int,
         retry_due_ms: int = 0,
-        writer_host: str = "",
+        writer: str = "",
         worker_lost: bool = False,
+        owner_id: str = "",
     ) -> StoreResult:
         """Write a result through the fence (see store.lua for every outcome)."""
         if kind not in ("ready", "retry", "other"):
@@ -204,8 +237,9 @@ class LeaseStore:
             kind,
             max(0, expires_ms),
             max(0, retry_due_ms),
-            writer_host,
+            writer,
             "1" if worker_lost else "0",
+            owner_id,
         ]
         code, detail = self.scripts.store(keys=keys, args=args)
         return StoreResult(_checked("store", code), as_text(detail))

@@ -94,7 +94,10 @@ class OwnedLease:
         attempt: executions of this task id that acquired, this one included.
         takeovers: reaper claims of this task id before this attempt.
         policy: the lease options in force.
+        call: the original call recorded at acquire (written again if the lease vanishes).
         thread_id: the thread running the body (for an interrupt).
+        ended: the attempt ended its lease (a result write, a release, a hand-off).
+        retrying: the lease was moved to RETRYING before ``retry()`` sent the retry message.
     """
 
     task_id: str
@@ -104,6 +107,7 @@ class OwnedLease:
     attempt: int
     takeovers: int
     policy: TaskPolicy
+    call: Mapping[str, Any] | None = field(default=None, repr=False)
     thread_id: int = field(default_factory=threading.get_ident)
     stage: str | None = None
     version: int = 0
@@ -113,6 +117,7 @@ class OwnedLease:
     details: Mapping[str, Any] = field(default_factory=dict)
     lost_reason: str | None = None
     ended: bool = False
+    retrying: bool = False
     body_done: bool = False
     stall_checks_failed: int = 0
     stalled_reported: bool = False

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
 from celery._state import _task_stack
 
 from . import events, signals
 from .conf import ensure_conf
+from .exceptions import TaskAbandonedError
 from .lease import ClaimResult, LeaseState
 from .metrics import buffer as metrics
 
@@ -130,6 +131,9 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.takeovers,
         )
         _tell(app, state, result.cause, abandoned=True)
+        # The chord part, later chain steps and errbacks, as after any FAILURE: this pass's
+        # claim is the one that stored it, so they run once.
+        app.backend.ended_without_owner(state.task_id, state.call, TaskAbandonedError.of(state.task_id), states.FAILURE)
 
 
 def _tell(app: Celery, state: LeaseState, cause: str, *, abandoned: bool) -> None:

@@ -27,7 +27,7 @@ from celery.exceptions import Ignore, Reject
 
 from . import attempt, worker
 from .conf import normalise_stage
-from .exceptions import LeaseLostError
+from .exceptions import LeaseLostError, StaleOwnerError
 from .lease import LeaseState
 from .metrics import buffer as metrics
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
@@ -137,6 +137,9 @@ class ProgressLeasedTask(Task):
     #: Marks the class for the worker hooks (they do not import this module).
     fenced_task: ClassVar[bool] = True
 
+    #: The worker's request class: its main-process writes name the owner's process.
+    Request = "celery_fenced.request:FencedRequest"
+
     @classmethod
     def on_bound(cls, app: Celery) -> None:
         """Connect the worker hooks of ``app`` when a fenced task is bound to it."""
@@ -227,6 +230,9 @@ class ProgressLeasedTask(Task):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
+        error = getattr(request, "fenced_error", None)
+        if error is not None:
+            raise error
         skip = getattr(request, "fenced_skip", None)
         if skip == "unavailable":
             attempt.send_again(self, request)
@@ -237,20 +243,28 @@ class ProgressLeasedTask(Task):
         if lease is None:
             return super().__call__(*args, **kwargs)
         try:
-            # The worker's tracer has pushed this task and its request already; Task.__call__
-            # would push a copy of the request around the body for nothing.
-            retval = self.run(*args, **kwargs)
+            try:
+                # The worker's tracer has pushed this task and its request already; Task.__call__
+                # would push a copy of the request around the body for nothing.
+                retval = self.run(*args, **kwargs)
+            finally:
+                # An interrupt that lands while this runs is handled below like one in the body.
+                attempt.body_finished(lease)
         except Reject as exc:
             request.fenced_reject_requeue = bool(exc.requeue)
+            if not exc.requeue and lease.lost_reason is None and not lease.ended:
+                attempt.store_rejection(self, request, exc)
             raise
         except Exception as exc:
+            if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and attempt.still_owner(self, lease):
+                # One of the body's own fenced writes met a newer token of another task: the
+                # task still owns its lease, so this is its error, stored as its FAILURE.
+                raise
             if lease.lost_reason is not None or isinstance(exc, LeaseLostError):
                 # The lease is gone (or may be): a lost owner stores nothing, not even
                 # its error; the new owner, or the reaper's re-send, finishes the task.
                 raise Ignore() from exc
             raise
-        finally:
-            attempt.body_finished(lease)
         if lease.lost_reason is None:
             with contextlib.suppress(LeaseLostError):
                 lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
@@ -264,6 +278,18 @@ class ProgressLeasedTask(Task):
             raise Ignore()
         return retval
 
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's ``on_replace()``: the lease passes to the replacement before it is sent.
+
+        The replacement runs under the same task id; it starts afresh (a fenced one takes a
+        new, higher token). An owner that lost its lease sends nothing.
+        """
+        request = self.request
+        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
+        if lease is not None and not request.is_eager:
+            attempt.hand_off(self, lease)
+        return super().on_replace(sig)
+
     def retry(
         self,
         args: Any = None,
@@ -275,15 +301,24 @@ class ProgressLeasedTask(Task):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's ``retry()``; the lease waits for the retry message until its eta."""
+        """Celery's ``retry()``; the lease waits for the retry message until its eta.
+
+        Where Celery will send the retry message, the lease is moved to RETRYING first, so
+        the message (same task id) acquires at once, however short its countdown.
+        """
         if countdown is not None:
             delay = float(countdown)
         elif eta is not None:
             delay = max(0.0, eta.timestamp() - time.time())
         else:
             delay = float(self.default_retry_delay or 0)
+        request = self.request
         with contextlib.suppress(AttributeError):
-            self.request.fenced_retry_delay = delay
+            request.fenced_retry_delay = delay
+        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
+        limit = self.max_retries if max_retries is None else max_retries
+        if lease is not None and not request.called_directly and (limit is None or request.retries + 1 <= limit):
+            attempt.retry_due(self, lease, delay)
         return super().retry(
             args=args,
             kwargs=kwargs,

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from celery import Celery, bootsteps, signals
+from celery._state import _get_active_apps
 from redis.exceptions import RedisError, ResponseError
 
 from . import events
@@ -61,6 +62,26 @@ def _is_fenced(task: Any) -> bool:
     return bool(getattr(task, "fenced_task", False))
 
 
+def _shared_from_fenced_apps(app: Celery, names: list[str]) -> set[str]:
+    """Of ``names``, those that another app of this process, one with the fenced backend, has too.
+
+    ``@app.task`` shares a task with every app of the process by default, so a module with a
+    fenced app and a plain one gives the plain app copies of the fenced tasks: they are the
+    fenced app's, and do not stop the plain app's worker.
+    """
+    shared: set[str] = set()
+    for other in list(_get_active_apps()):
+        if other is app:
+            continue
+        try:
+            if not isinstance(other.backend, FencedRedisBackend):
+                continue
+            shared |= set(names) & set(other.tasks)
+        except Exception:  # an app that cannot be finalized or configured here is not the owner
+            logger.debug("could not look at app %r", other, exc_info=True)
+    return shared
+
+
 def pool_kind_of(pool_cls: Any) -> str:
     """A short name for a worker pool class: "prefork", "threads", "solo", "gevent", …"""
     module = getattr(pool_cls, "__module__", None) or str(pool_cls)
@@ -78,11 +99,23 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
         )
     backend = app.backend
     if not isinstance(backend, FencedRedisBackend):
-        raise ConfigurationError(
-            f"ProgressLeasedTask needs the fenced result backend, but result_backend is "
-            f"{type(backend).__name__} ({backend.as_uri()!s}): set "
-            "result_backend = 'fenced+redis://HOST:PORT/DB'"
-        )
+        fenced = sorted(name for name, task in app._tasks.items() if _is_fenced(task))
+        shared = _shared_from_fenced_apps(app, fenced)
+        if set(fenced) - shared:
+            raise ConfigurationError(
+                f"ProgressLeasedTask needs the fenced result backend, but result_backend is "
+                f"{type(backend).__name__} ({backend.as_uri()!s}): set "
+                "result_backend = 'fenced+redis://HOST:PORT/DB'"
+            )
+        if shared:
+            logger.warning(
+                "fenced tasks %s are shared into app %r from an app with the fenced backend; this "
+                "worker's backend is %s, so they fail here if they are sent to it",
+                ", ".join(sorted(shared)),
+                app.main,
+                type(backend).__name__,
+            )
+        return
     conf = ensure_conf(app)
     for task in app.tasks.values():
         if _is_fenced(task):
@@ -168,9 +201,10 @@ def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, *
         return
     try:
         acquire(task, request)
-    except ConfigurationError:
-        request.fenced_skip = "unavailable"
-        logger.exception("task %s[%s] cannot take a lease", task.name, task_id)
+    except ConfigurationError as exc:
+        # Not a passing fault: sending it again would loop. The body raises it instead, so
+        # the task ends as a FAILURE naming what is wrong.
+        request.fenced_error = exc
     except Exception:
         request.fenced_skip = "unavailable"
         logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)

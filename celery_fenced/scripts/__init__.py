@@ -28,6 +28,7 @@ SCRIPT_NAMES = (
     "metrics",
     "fenced_write",
     "expire",
+    "restore",
 )
 
 
@@ -53,3 +54,4 @@ class ScriptSet:
         self.redrive: Script = client.register_script(script_source("redrive"))
         self.metrics: Script = client.register_script(script_source("metrics"))
         self.expire: Script = client.register_script(script_source("expire"))
+        self.restore: Script = client.register_script(script_source("restore"))

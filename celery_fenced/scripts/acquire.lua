@@ -10,6 +10,8 @@
 -- ARGV[5]  maxTakeovers for this task
 -- ARGV[6]  initial stage, may be ""
 --
+-- An attempt that asks again (same ownerId: its reply was lost) gets "new" or "takeover" again.
+--
 -- Returns {code, previous status or "", the owner's lease fields as a flat list}:
 --   "new"        no lease existed: token taken, attempt 1
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired: new token, attempt + 1
@@ -75,6 +77,14 @@ end
 
 local status = redis.call('HGET', KEYS[1], 'status')
 local code = 'new'
+if status == 'RUNNING' and redis.call('HGET', KEYS[1], 'ownerId') == ARGV[1] then
+  -- The same attempt asking again (its reply was lost to a connection error): the same answer.
+  local again = 'new'
+  if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1') > 1 then
+    again = 'takeover'
+  end
+  return {again, '', snapshot()}
+end
 if status then
   if status == 'DONE' then
     return {'done', status, snapshot()}
@@ -92,9 +102,15 @@ else
 end
 
 local token = redis.call('INCR', KEYS[2])
+local held = tonumber(redis.call('HGET', KEYS[1], 'ownerToken') or '0')
+if token <= held then
+  -- The counter moved back (a restart that lost writes): never hand out a token again.
+  token = held + 1
+  redis.call('SET', KEYS[2], token)
+end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSETNX', KEYS[1], 'takeovers', 0)
-redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt')
+redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt', 'resends')
 redis.call('HSET', KEYS[1], unpack(owner_fields(token)))
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])

@@ -15,10 +15,13 @@
 --
 -- Returns {code, cause, lease fields as a flat list}:
 --   "requeued"   claimed: the caller re-sends the original call (cause: "stalled", "gone",
---                "resend" for a re-send after the requeue timeout, "retry" for a lost retry,
---                "redrive" for an abandoned task put back by an operator)
+--                "redrive" for an abandoned task put back by an operator: these count as
+--                takeovers; "resend" for a re-send after the requeue timeout and "retry" for
+--                a retry message not started: these never count, and never abandon)
 --   "abandoned"  takeovers exhausted: FAILURE stored, lease ABANDONED
 --   "not-due"    live or not yet due: the index entry was moved to the real due time
+--   "waiting"    a re-sent (or retry) message still waits in the queue and was sent as often
+--                as allowed: nothing sent, looked at again after the requeue timeout
 --   "finished"   DONE or ABANDONED already: the index entry was removed
 --   "missing"    no lease: the index entry was removed
 --   "retry-later" the reserved token is not newer than the lease's: try on the next pass
@@ -64,8 +67,24 @@ else
   cause = 'gone'
 end
 
-local takeovers = tonumber(f[3] or '0') + 1
 local max_takeovers = tonumber(f[4] or '0')
+local takeovers = tonumber(f[3] or '0')
+if cause == 'resend' or cause == 'retry' then
+  -- Nobody acquired a message that is already in the queue: a backlog, not a failure. It
+  -- is sent again at most max(maxTakeovers, 1) times in all, never counted as a takeover
+  -- and never abandoned; past that it only waits (looked at again after the timeout).
+  local resends = tonumber(redis.call('HGET', KEYS[1], 'resends') or '0')
+  local next_due = now + tonumber(ARGV[2])
+  redis.call('ZADD', KEYS[3], next_due, KEYS[1])
+  redis.call('HSET', KEYS[1], 'leaseExpireAt', next_due)
+  if resends >= math.max(max_takeovers, 1) then
+    return {'waiting', cause, {}}
+  end
+  redis.call('HSET', KEYS[1], 'status', 'REQUEUED', 'resends', resends + 1, 'requeuedAt', now,
+    'claimCause', cause)
+  return {'requeued', cause, redis.call('HGETALL', KEYS[1])}
+end
+takeovers = takeovers + 1
 if takeovers > max_takeovers then
   local token = tonumber(ARGV[3])
   if token <= tonumber(f[2] or '0') then

@@ -10,6 +10,9 @@
 --            "RETRYING"  a retry message is due; the reaper looks again after ARGV[4] ms
 --            "REQUEUED"  the message went back to the broker (Reject requeue=True);
 --                        the reaper re-sends it if nobody acquires it within ARGV[4] ms
+--            "HANDOFF"   the task id passes to a replacement (Task.replace()): the lease
+--                        is deleted, so the replacement, fenced or not, starts afresh
+--                        (a fenced one takes a new, higher token)
 -- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED)
 -- ARGV[5]  ms the lease hash lives once DONE (the result expiry; 0 = no expiry)
 --
@@ -28,7 +31,10 @@ elseif cur[1] == 'DONE' or cur[1] == 'ABANDONED' then
   return {'finished'}
 end
 local target = ARGV[3]
-if target == 'DONE' then
+if target == 'HANDOFF' then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  redis.call('DEL', KEYS[1])
+elseif target == 'DONE' then
   redis.call('ZREM', KEYS[2], KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now)
   local keep = tonumber(ARGV[5])

@@ -13,8 +13,14 @@
 -- ARGV[4]  kind: "ready" (READY_STATES), "retry", or "other"
 -- ARGV[5]  result expiry, ms (0: none); a DONE lease lives exactly as long
 -- ARGV[6]  RETRYING: ms until the reaper may re-send (retry eta + requeue timeout)
--- ARGV[7]  tokenless writes: the writer's hostname
+-- ARGV[7]  tokenless writes: "<hostname>/<pid>/", the owner-id prefix of the process that
+--          ran the task; "" when no process ran it (a copy revoked or expired unstarted)
 -- ARGV[8]  tokenless writes: "1" when the write is a WorkerLostError
+-- ARGV[9]  writes with a token: the writer's ownerId (an equal token of another owner, after
+--          a restart that moved the token counter back, is not current)
+--
+-- A writer whose READY write ended the lease gets "stored" again for the same state and
+-- token (its reply was lost and it asks again); nothing is written twice.
 --
 -- Returns {code, detail}:
 --   "stored"    written (detail: the lease status after, "" without a lease)
@@ -22,7 +28,8 @@
 --   "finished"  refused: the lease already ended (DONE or ABANDONED)
 --   "lapsed"    a tokenless WorkerLostError of the current owner: nothing written, the
 --               lease is LAPSED so the reaper takes the task over at once
---   "foreign"   refused: a tokenless write from a host that no longer owns the task
+--   "foreign"   refused: a tokenless write not from the owner's process, while an owner
+--               is live (RUNNING, STALLED) or for a state other than REVOKED
 --   "sticky"    refused: no lease and a SUCCESS is already stored (Celery's own rule)
 redis.replicate_commands()
 local t = redis.call('TIME')
@@ -39,8 +46,14 @@ local function write_result()
   redis.call('PUBLISH', KEYS[2], meta)
 end
 
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState')
 local status = cur[1]
+
+if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state then
+  -- The writer that ended the lease asking again (its reply was lost to a connection
+  -- error): the same answer, so its chord, chain and errback side effects still run.
+  return {'stored', 'DONE'}
+end
 
 if not status then
   -- No lease: a plain task, or a fenced one whose lease is gone. Keep Celery's rule
@@ -57,18 +70,19 @@ if not status then
 end
 
 if token ~= '' then
-  if cur[2] ~= token then
+  if cur[2] ~= token or (ARGV[9] ~= '' and cur[3] ~= ARGV[9] and cur[3] ~= '') then
     return {'stale', cur[2] or ''}
   end
 else
   if status == 'DONE' or status == 'ABANDONED' then
     return {'finished', status}
   end
-  local host = ARGV[7]
+  local writer = ARGV[7]
   local owner = cur[3] or ''
-  local same_host = host ~= '' and string.sub(owner, 1, #host + 1) == host .. '/'
+  local by_owner = writer ~= '' and string.sub(owner, 1, #writer) == writer
+  local live = status == 'RUNNING' or status == 'STALLED'
   if ARGV[8] == '1' then
-    if same_host and (status == 'RUNNING' or status == 'STALLED') then
+    if by_owner and live then
       redis.call('ZADD', KEYS[3], now, KEYS[1])
       redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
         'lapseReason', 'worker-lost')
@@ -76,7 +90,7 @@ else
     end
     return {'foreign', status}
   end
-  if state ~= 'REVOKED' and not same_host then
+  if not by_owner and (live or state ~= 'REVOKED') then
     return {'foreign', status}
   end
 end

@@ -135,10 +135,11 @@ def test_alert_mode_keeps_the_owner_and_marks_the_stall(cluster: Cluster) -> Non
 
 def test_expire_mode_lets_the_ttl_run_out_then_takeover(cluster: Cluster) -> None:
     app = cluster.app()
-    cluster.worker("w1", concurrency=2)
+    worker = cluster.worker("w1", concurrency=2)
     cluster.beat()
     result = app.expire_stall.delay()
     runs = cluster.wait_runs(result.id, 2, timeout=20)
+    assert "left to expire" in worker.log()  # the owner was told when renewals stopped
     assert result.get(timeout=20) == f"owner {runs[1]['token']}"
     state = lease(cluster, result.id)
     assert state["takeovers"] == "1"

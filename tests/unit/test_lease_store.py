@@ -416,7 +416,7 @@ def test_write_after_done_is_refused(store: LeaseStore) -> None:
     assert again.code == "finished"
 
 
-def test_tokenless_worker_lost_of_the_owner_host_lapses_instead_of_failing(
+def test_tokenless_worker_lost_of_the_owner_process_lapses_instead_of_failing(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
     acquire(store, owner="celery@w1/123/a")
@@ -427,7 +427,7 @@ def test_tokenless_worker_lost_of_the_owner_host_lapses_instead_of_failing(
         state="FAILURE",
         kind="ready",
         expires_ms=0,
-        writer_host="celery@w1",
+        writer="celery@w1/123/",
         worker_lost=True,
     )
     assert result.code == "lapsed"
@@ -445,17 +445,57 @@ def test_tokenless_write_from_another_host_is_dropped(store: LeaseStore, redis_c
         state="FAILURE",
         kind="ready",
         expires_ms=0,
-        writer_host="celery@w1",
+        writer="celery@w1/5/",
         worker_lost=True,
     )
-    limit = store.store("t1", None, b"x", state="FAILURE", kind="ready", expires_ms=0, writer_host="celery@w1")
+    limit = store.store("t1", None, b"x", state="FAILURE", kind="ready", expires_ms=0, writer="celery@w1/5/")
     assert lost.code == "foreign" and limit.code == "foreign"
     assert redis_client.get(store.keys.result("t1")) is None
 
 
-def test_tokenless_revoke_is_terminal(store: LeaseStore, redis_client: redis.Redis) -> None:
+def test_tokenless_write_from_another_process_of_the_owner_host_is_dropped(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # A stalled attempt's time limit or lost child, on the same machine as the new owner.
+    acquire(store, owner="celery@w1/123/a")
+    for worker_lost in (True, False):
+        answer = store.store(
+            "t1",
+            None,
+            b"x",
+            state="FAILURE",
+            kind="ready",
+            expires_ms=0,
+            writer="celery@w1/77/",
+            worker_lost=worker_lost,
+        )
+        assert answer.code == "foreign"
+    assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
+    assert redis_client.get(store.keys.result("t1")) is None
+
+
+def test_tokenless_revoke_of_the_owner_process_is_terminal(store: LeaseStore) -> None:
     acquire(store, owner="celery@w2/5/a")
-    result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer_host="celery@w1")
+    result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer="celery@w2/5/")
+    assert result.stored
+    assert store.read("t1").status == "DONE"  # type: ignore[union-attr]
+
+
+def test_tokenless_revoke_of_an_unstarted_copy_leaves_a_live_owner_alone(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # A duplicate whose message expired (or was revoked) before it started: no process ran it.
+    acquire(store, owner="celery@w2/5/a")
+    result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer="")
+    assert result.code == "foreign"
+    assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
+    assert redis_client.get(store.keys.result("t1")) is None
+
+
+def test_tokenless_revoke_without_a_live_owner_is_terminal(store: LeaseStore) -> None:
+    state = acquire(store, owner="celery@w2/5/a").state
+    store.release("t1", "celery@w2/5/a", state.owner_token, status=LeaseStatus.REQUEUED, due_in_ms=60_000)
+    result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer="")
     assert result.stored
     assert store.read("t1").status == "DONE"  # type: ignore[union-attr]
 
@@ -530,7 +570,21 @@ def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> 
     assert claim(store, "t1", requeue=30)[0].code == "requeued"
     wait_for(lambda: store.server_time_ms() > (store.read("t1").lease_expire_at or 0))  # type: ignore[union-attr]
     [again] = claim(store, "t1")
-    assert again.code == "requeued" and again.cause == "resend" and again.state.takeovers == 2  # type: ignore[union-attr]
+    assert again.code == "requeued" and again.cause == "resend"
+    assert again.state.takeovers == 1 and again.state.raw["resends"] == "1"  # type: ignore[union-attr]
+
+
+def test_a_backlog_is_sent_again_a_bounded_number_of_times_and_never_abandoned(store: LeaseStore) -> None:
+    state = acquire(store, max_takeovers=2).state
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    codes = []
+    for _ in range(5):  # nobody acquires: the messages wait in a long queue
+        codes.append(claim(store, "t1", requeue=20)[0].code)
+        wait_for(lambda: store.server_time_ms() > (store.read("t1").lease_expire_at or 0))  # type: ignore[union-attr]
+    assert codes == ["requeued", "requeued", "requeued", "waiting", "waiting"]
+    after = store.read("t1")
+    assert after is not None and after.status == "REQUEUED" and after.takeovers == 1
+    assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.TAKEOVER  # a queued copy starts at last
 
 
 def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(store: LeaseStore, redis_client: redis.Redis) -> None:
@@ -653,3 +707,62 @@ def test_unknown_script_codes_raise_a_named_error(store: LeaseStore, monkeypatch
     monkeypatch.setattr(store.scripts, "lapse", lambda keys, args: [b"surprise"])
     with pytest.raises(LeaseScriptError, match="surprise"):
         store.lapse("t1", "o", 1, mode="release", reason="x")
+
+
+# -- the same writer asking again (a reply lost to a connection error) --------------------------
+
+
+def test_an_acquire_asked_again_by_the_same_attempt_gets_the_same_answer(store: LeaseStore) -> None:
+    first = acquire(store, owner="host/1/a")
+    again = acquire(store, owner="host/1/a")
+    assert first.outcome is AcquireOutcome.NEW and again.outcome is AcquireOutcome.NEW
+    assert again.state.owner_token == first.state.owner_token
+    assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.DUPLICATE  # another attempt is still refused
+
+
+def test_a_result_write_asked_again_by_its_writer_gets_the_same_answer(store: LeaseStore) -> None:
+    state = acquire(store).state
+    first = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
+    again = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
+    assert first.code == again.code == "stored" and again.detail == "DONE"
+    other = store.store("t1", state.owner_token, b"x", state="FAILURE", kind="ready", expires_ms=0)
+    assert other.code == "finished"
+
+
+def test_hand_off_deletes_the_lease_and_the_replacement_takes_a_higher_token(store: LeaseStore) -> None:
+    state = acquire(store).state
+    assert store.hand_off("t1", "host/1/a", state.owner_token) == "ok"
+    assert store.read("t1") is None
+    replacement = acquire(store, owner="host/2/b")
+    assert replacement.outcome is AcquireOutcome.NEW and replacement.state.owner_token > state.owner_token
+
+
+def test_hand_off_by_an_owner_that_lost_the_lease_is_refused(store: LeaseStore) -> None:
+    state = acquire(store, ttl=30).state
+    wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
+    acquire(store, owner="host/2/b")  # taken over
+    assert store.hand_off("t1", "host/1/a", state.owner_token) == "stale-token"
+    assert store.read("t1") is not None
+
+
+# -- a token counter moved back (a restart that lost writes) ------------------------------------
+
+
+def test_a_token_counter_moved_back_never_hands_out_a_held_token_again(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    state = acquire(store, ttl=30).state
+    redis_client.set(store.keys.token, 0)  # the counter lost its last writes; the lease did not
+    wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
+    taken = acquire(store, owner="host/2/b")
+    assert taken.outcome is AcquireOutcome.TAKEOVER and taken.state.owner_token > state.owner_token
+    late = store.store("t1", state.owner_token, b"late", state="SUCCESS", kind="ready", expires_ms=0)
+    assert late.code == "stale"
+
+
+def test_an_equal_token_of_another_owner_is_not_current(store: LeaseStore) -> None:
+    state = acquire(store, owner="host/1/a").state
+    other = store.store("t1", state.owner_token, b"x", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/9/z")
+    assert other.code == "stale"
+    mine = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
+    assert mine.stored

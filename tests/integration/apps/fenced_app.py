@@ -331,3 +331,106 @@ def stream_ai(self: Any, url: str, inject: str, first: float, idle: float, total
         record().rpush(f"lost:{self.request.id}", exc.reason)
         raise
     return chunks
+
+
+# -- Celery's own features on fenced tasks -----------------------------------------------------
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def replaced_by(self: Any, kind: str) -> Any:
+    """Replaces itself: by a fenced task, a plain task, or a group."""
+    from celery import group
+
+    note_run(self)
+    self.progress("load-data")
+    if kind == "fenced":
+        return self.replace(fenced_add.s(2, 3))
+    if kind == "plain":
+        return self.replace(plain_add.s(20, 3))
+    return self.replace(group(fenced_add.s(1, 1), plain_add.s(2, 2)))
+
+
+@app.task
+def plain_failing() -> None:
+    """A plain task that raises."""
+    raise ValueError("plain boom")
+
+
+@app.task(bind=True, base=ProgressLeasedTask, acks_late=True)
+def rejecting(self: Any, requeue: bool) -> None:
+    """Rejects its message (late ack: a requeued message goes back to the queue)."""
+    from celery.exceptions import Reject
+
+    note_run(self)
+    if requeue and record().llen(f"runs:{self.request.id}") > 1:
+        return None
+    raise Reject("not for me", requeue=requeue)
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def write_row(self: Any, key: str) -> str:
+    """Fences its own write of ``key``; a newer token may have written it already."""
+    from celery_fenced.fencing import fenced_set
+
+    note_run(self)
+    fenced_set(record(), key, f"by {self.fencing_token}", self.fencing_token)
+    return "written"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, max_takeovers=1)
+def always_stalls(self: Any) -> str:
+    """Every attempt stalls without progress: taken over until abandoned."""
+    note_run(self)
+    self.progress("load-data")
+    wait_for_key(f"wake:{self.request.id}", 60)
+    return "woke"
+
+
+@app.task
+def record_errback(request: Any, exc: Any, traceback: Any) -> None:
+    """An errback (new style): records which task failed with what."""
+    record().rpush(f"errback:{request.id}", type(exc).__name__)
+
+
+@app.task(bind=True, base=ProgressLeasedTask, time_limit=7)
+def stalls_into_time_limit(self: Any) -> str:
+    """The first attempt stalls until its hard time limit kills it; the next progresses past it."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        wait_for_key(f"wake:{self.request.id}", 60)
+        return "zombie"
+    for _ in range(25):  # 5 s of progress (below its own limit): the first attempt's limit fires meanwhile
+        time.sleep(0.2)
+        self.progress("load-data")
+    return f"owner {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, lease_ttl=1.5, heartbeat_interval=0.3)
+def short_lease(self: Any, steps: int) -> str:
+    """A task whose own TTL is far below the app's heartbeat interval."""
+    note_run(self)
+    for _ in range(steps):
+        time.sleep(0.2)
+        self.progress("load-data")
+    return f"short {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def retry_now(self: Any) -> str:
+    """Retries once with countdown=0, then succeeds."""
+    note_run(self, retries=self.request.retries)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return f"retried {self.request.retries}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def updates_another(self: Any, other_id: str) -> str:
+    """Writes a custom state for another task id, then finishes its own work."""
+    note_run(self)
+    self.update_state(task_id=other_id, state="PROGRESS", meta={"by": self.request.id})
+    for _ in range(5):
+        time.sleep(0.1)
+        self.progress("load-data")
+    return f"mine {self.fencing_token}"

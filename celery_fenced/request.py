@@ -1,0 +1,27 @@
+"""The worker's request class for fenced tasks: main-process writes name the owner's process.
+
+Celery writes some results from the worker's main process, without a token: a hard time
+limit, a ``WorkerLostError`` after a prefork child died, ``Reject``, a revoke. They come with
+a context rebuilt from the message, which does not say which process ran the task. This
+request adds ``worker_pid`` to that context, so the fenced store matches such a write to
+the lease's owner *process* (not only its host), and tells a copy that never started (no
+pid) from the owner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.request import Request
+
+__all__ = ["FencedRequest"]
+
+
+class FencedRequest(Request):
+    """Celery's worker request; its context also carries the pid of the process running it."""
+
+    @property
+    def _context(self) -> Any:
+        context = super()._context
+        context.worker_pid = self.worker_pid
+        return context

@@ -1,0 +1,245 @@
+"""Celery's own features on fenced tasks end as Celery would, on real workers.
+
+Each test is a defect found on the feature surface: without its fix the client waits
+forever (the test times out), a task is lost, or a stale write lands.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from celery import chain, chord
+
+from tests.integration.conftest import Cluster, lease, stored
+from tests.support.processes import CeleryProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+# -- replace() --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("fenced", 5), ("plain", 23), ("group", [2, 4])])
+def test_replace_passes_the_task_id_to_its_replacement(cluster: Cluster, kind: str, expected: object) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.replaced_by.delay(kind)
+    assert result.get(timeout=20) == expected
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "SUCCESS"
+    first = cluster.runs(result.id)[0]
+    if kind == "fenced":
+        # The replacement took a lease of its own, with a higher token than the replaced task's.
+        assert meta["fence_token"] > first["token"]
+        assert lease(cluster, result.id)["status"] == "DONE"
+
+
+# -- failures along a chain, Reject, the body's own stale writes -----------------------------------
+
+
+@pytest.mark.parametrize("first", ["failing", "plain_failing"])
+def test_a_failing_chain_step_fails_every_later_step(cluster: Cluster, first: str) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    steps = chain(getattr(app, first).si(), app.fenced_add.si(1, 2), app.plain_add.si(3, 4))
+    result = steps.apply_async()
+    with pytest.raises(ValueError, match="boom"):
+        result.get(timeout=20)  # the last step's FAILURE: without it, get() waits forever
+    assert result.parent.state == "FAILURE"
+
+
+def test_reject_without_requeue_stores_a_failure(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.rejecting.delay(False)
+    with pytest.raises(Exception, match="not for me"):
+        result.get(timeout=20)
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "FAILURE"
+    assert meta["fence_token"] == cluster.runs(result.id)[0]["token"]
+    assert lease(cluster, result.id)["status"] == "DONE"
+
+
+def test_reject_with_requeue_runs_again(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.rejecting.delay(True)
+    assert result.get(timeout=20) is None
+    assert len(cluster.runs(result.id)) == 2
+
+
+def test_a_stale_owner_error_of_the_body_is_stored_as_its_failure(cluster: Cluster) -> None:
+    from celery_fenced import StaleOwnerError
+    from celery_fenced.fencing import fenced_set
+
+    app = cluster.app()
+    cluster.worker("w1")
+    fenced_set(cluster.record, "row:1", "by a newer task", 10**9)
+    result = app.write_row.delay("row:1")
+    with pytest.raises(StaleOwnerError):
+        result.get(timeout=20)
+    assert stored(cluster, result.id)["status"] == "FAILURE"  # type: ignore[index]
+    assert lease(cluster, result.id)["status"] == "DONE"
+
+
+# -- an abandoned task still runs Celery's side effects ----------------------------------------------
+
+
+def test_an_abandoned_chain_step_fails_the_rest_and_calls_its_errback(cluster: Cluster) -> None:
+    from celery_fenced import TaskAbandonedError
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=4)  # both attempts stay stuck: the reaper needs a free process
+    cluster.beat()
+    stuck = app.always_stalls.si().on_error(app.record_errback.s())
+    result = chain(stuck, app.fenced_add.si(1, 2)).apply_async()
+    with pytest.raises(TaskAbandonedError):
+        result.get(timeout=60)
+    wait_until(lambda: cluster.record.llen(f"errback:{result.parent.id}"), 20, "the errback")
+    assert cluster.record.lrange(f"errback:{result.parent.id}", 0, -1) == ["TaskAbandonedError"]
+    for task_id in (result.id, result.parent.id):
+        cluster.wake(task_id)
+
+
+def test_an_abandoned_chord_member_fires_the_chord_body_with_its_error(cluster: Cluster) -> None:
+    from celery.exceptions import ChordError
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=4)
+    cluster.beat()
+    stuck = app.always_stalls.si()
+    result = chord([app.fenced_add.s(1, 1), stuck], app.fenced_sum.s()).apply_async()
+    wait_until(lambda: (stored(cluster, result.id) or {}).get("status") == "FAILURE", 60, "the chord body's FAILURE")
+    error = stored(cluster, result.id)["result"]  # type: ignore[index]
+    assert error["exc_type"] == ChordError.__name__ and "TaskAbandonedError" in error["exc_message"][0]
+    for child in result.parent.results:
+        cluster.wake(child.id)
+
+
+# -- tokenless writes of the worker's main process -------------------------------------------------
+
+
+def test_a_stalled_attempts_time_limit_leaves_the_new_owner_on_the_same_host_alone(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2)
+    cluster.beat()
+    result = app.stalls_into_time_limit.delay()
+    runs = cluster.wait_runs(result.id, 2, timeout=20)
+    wait_until(lambda: "Hard time limit" in worker.log(), 20, "the first attempt's hard time limit")
+    assert result.get(timeout=30) == f"owner {runs[1]['token']}"
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == runs[1]["token"]
+
+
+def test_an_expired_duplicates_revoke_does_not_end_the_live_owner(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2)
+    task_id = str(uuid.uuid4())
+    app.progress_until_told.apply_async(task_id=task_id)
+    cluster.wait_runs(task_id, 1)
+    past = datetime.now(UTC) - timedelta(seconds=5)
+    app.progress_until_told.apply_async(task_id=task_id, expires=past)  # a copy, expired on arrival
+    discarded = f"Discarding revoked task: tests.integration.apps.fenced_app.progress_until_told[{task_id}]"
+    wait_until(lambda: discarded in worker.log(), 20, "the expired copy to be discarded")
+    assert lease(cluster, task_id)["status"] == "RUNNING"
+    cluster.wake(task_id)
+    assert app.progress_until_told.AsyncResult(task_id).get(timeout=20) == "told 1"
+
+
+# -- the heartbeat and retries ---------------------------------------------------------------------
+
+
+def test_a_short_lease_that_starts_on_an_idle_process_is_renewed(cluster: Cluster) -> None:
+    app = cluster.app()
+    # The app's interval is long; the task's own is short: the heartbeat thread sits in a
+    # long wait when the short lease arrives.
+    cluster.worker("w1", pool="solo", concurrency=1, fenced_lease_ttl=40, fenced_heartbeat_interval=15)
+    assert app.fenced_add.delay(1, 2).get(timeout=20) == 3
+    result = app.short_lease.delay(20)  # 4 s of progress, TTL 1.5 s
+    assert result.get(timeout=20) == "short 2"
+    assert len(cluster.runs(result.id)) == 1
+    assert lease(cluster, result.id)["takeovers"] == "0"
+
+
+def test_retry_with_no_countdown_runs_the_retry_at_once(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    result = app.retry_now.delay()
+    assert result.get(timeout=4) == "retried 1"  # the requeue timeout is 5 s
+    assert [run["retries"] for run in cluster.runs(result.id)] == [0, 1]
+
+
+# -- two apps in one module --------------------------------------------------------------------------
+
+
+def test_the_plain_app_of_a_module_with_a_fenced_app_starts_and_runs(cluster: Cluster) -> None:
+    cluster.app()
+    from tests.integration.apps import two_apps
+
+    argv = ["-A", "tests.integration.apps.two_apps:plain_app", "worker", "-P", "solo", "-l", "INFO"]
+    argv += ["-n", f"plain@{socket.gethostname()}", "--without-mingle", "--without-gossip", "-Q", "plain"]
+    proc = CeleryProcess("plain", argv, cluster.env(), cluster.tmp_path / "plain.log", " ready.")
+    cluster.processes.append(proc)
+    proc.wait_ready()
+    two_apps.plain_app.conf.update(broker_url=cluster.broker_url, result_backend=cluster.server.url(1))
+    assert two_apps.doubled.apply_async((21,), queue="plain").get(timeout=20) == 42
+    assert "shared into app 'plain_side'" in proc.log()
+    # A fenced task sent to the plain app's worker fails at once, naming what is wrong.
+    from celery_fenced.exceptions import ConfigurationError
+
+    copy = two_apps.plain_app.send_task("tests.integration.apps.two_apps.leased", (1,), queue="plain")
+    with pytest.raises(ConfigurationError, match="needs result_backend"):
+        copy.get(timeout=20)
+
+
+# -- a lease hash that vanishes (eviction, FLUSH, a failover that lost writes) ---------------------
+
+
+def test_a_vanished_lease_is_restored_by_its_owner_who_finishes(cluster: Cluster) -> None:
+    from tests.integration.conftest import KEYS
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    result = app.progress_until_told.delay()
+    cluster.wait_runs(result.id, 1)
+    cluster.results.delete(KEYS.lease(result.id))
+    wait_until(lambda: "restoredAt" in lease(cluster, result.id), 10, "the owner to restore its lease")
+    cluster.wake(result.id)
+    assert result.get(timeout=20) == "told 1"
+    assert len(cluster.runs(result.id)) == 1
+    assert lease(cluster, result.id)["status"] == "DONE"
+
+
+def test_a_vanished_lease_whose_owner_then_dies_is_still_taken_over(cluster: Cluster) -> None:
+    import os
+    import signal
+
+    from tests.integration.conftest import KEYS
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    cluster.beat()
+    result = app.killed_once.delay()
+    [first] = cluster.wait_runs(result.id, 1)
+    cluster.results.delete(KEYS.lease(result.id))
+    wait_until(lambda: "restoredAt" in lease(cluster, result.id), 10, "the owner to restore its lease")
+    os.kill(first["pid"], signal.SIGKILL)
+    runs = cluster.wait_runs(result.id, 2, timeout=20)  # re-sent from the restored call
+    assert result.get(timeout=20) == f"finished by {runs[1]['pid']}"
+    assert runs[1]["token"] > first["token"]
+
+
+def test_update_state_of_another_task_leaves_the_callers_lease_alone(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    other = app.progress_until_told.delay()
+    [other_run] = cluster.wait_runs(other.id, 1)
+    result = app.updates_another.delay(other.id)
+    assert result.get(timeout=20) == f"mine {cluster.runs(result.id)[0]['token']}"
+    assert lease(cluster, result.id)["status"] == "DONE"
+    assert lease(cluster, other.id)["ownerToken"] == str(other_run["token"])  # the running task's own
+    cluster.wake(other.id)
+    assert other.get(timeout=20) == f"told {other_run['token']}"

@@ -418,10 +418,16 @@ def short_lease(self: Any, steps: int) -> str:
 
 @app.task(bind=True, base=ProgressLeasedTask)
 def retry_now(self: Any) -> str:
-    """Retries once with countdown=0, then succeeds."""
+    """Retries once with countdown=0, then succeeds.
+
+    Between sending the retry message and raising it (after which Celery stores RETRY) it
+    pauses, as a slow process would: the retry message arrives before the RETRY write.
+    """
     note_run(self, retries=self.request.retries)
     if self.request.retries == 0:
-        raise self.retry(countdown=0)
+        retry = self.retry(countdown=0, throw=False)
+        time.sleep(1)
+        raise retry
     return f"retried {self.request.retries}"
 
 

@@ -19,8 +19,8 @@
 -- ARGV[9]  writes with a token: the writer's ownerId (an equal token of another owner, after
 --          a restart that moved the token counter back, is not current)
 --
--- A writer whose READY write ended the lease gets "stored" again for the same state and
--- token (its reply was lost and it asks again); nothing is written twice.
+-- A writer whose READY write ended the lease gets "stored" again for the same token, state
+-- and result (its reply was lost and it asks again); nothing is written twice.
 --
 -- Returns {code, detail}:
 --   "stored"    written (detail: the lease status after, "" without a lease)
@@ -49,9 +49,11 @@ end
 local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState')
 local status = cur[1]
 
-if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state then
-  -- The writer that ended the lease asking again (its reply was lost to a connection
-  -- error): the same answer, so its chord, chain and errback side effects still run.
+if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state
+    and redis.call('GET', KEYS[2]) == meta then
+  -- The writer that ended the lease asking again with the same result (its reply was lost
+  -- to a connection error): the same answer, so its chord, chain and errback side effects
+  -- still run. Nothing is written twice.
   return {'stored', 'DONE'}
 end
 

@@ -726,7 +726,8 @@ def test_a_result_write_asked_again_by_its_writer_gets_the_same_answer(store: Le
     again = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
     assert first.code == again.code == "stored" and again.detail == "DONE"
     other = store.store("t1", state.owner_token, b"x", state="FAILURE", kind="ready", expires_ms=0)
-    assert other.code == "finished"
+    changed = store.store("t1", state.owner_token, b"changed", state="SUCCESS", kind="ready", expires_ms=0)
+    assert other.code == changed.code == "finished"
 
 
 def test_hand_off_deletes_the_lease_and_the_replacement_takes_a_higher_token(store: LeaseStore) -> None:

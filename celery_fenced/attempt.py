@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from . import signals as fenced_signals
 from .backend import FencedRedisBackend
-from .calls import next_attempt_id, recorded_call
+from .calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
 from .conf import TaskPolicy, ensure_conf
 from .exceptions import ConfigurationError, LeaseLostError
 from .heartbeat import Heartbeat
@@ -234,6 +234,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         task_name=task.name,
         max_takeovers=policy.max_takeovers,
         call=call,
+        publish_id=str(getattr(request, PUBLISH_ID_HEADER, None) or ""),
     )
     try:
         result = backend.retrying(acquire_once)

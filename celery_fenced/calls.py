@@ -15,7 +15,11 @@ from typing import Any
 
 from celery.app.task import get_actual_ignore_result
 
-__all__ = ["AttemptIds", "next_attempt_id", "recorded_call"]
+__all__ = ["PUBLISH_ID_HEADER", "AttemptIds", "next_attempt_id", "recorded_call", "tag_publish"]
+
+#: The message header naming one ``apply_async`` (the reaper's re-sends keep it): a finished
+#: task id applied again runs again, as in Celery, while a copy of a finished run does not.
+PUBLISH_ID_HEADER = "fenced_publish_id"
 
 logger = logging.getLogger("celery_fenced.calls")
 
@@ -75,3 +79,12 @@ def recorded_call(task: Any, request: Any) -> dict[str, Any] | None:
     except Exception:
         logger.exception("could not record the call of task %s; it cannot be re-sent", request.id)
         return None
+
+
+def tag_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """``before_task_publish`` receiver: give each published message its publish id.
+
+    An id already there (a re-send of the reaper) is kept.
+    """
+    if headers is not None and PUBLISH_ID_HEADER not in headers:
+        headers[PUBLISH_ID_HEADER] = uuid.uuid4().hex

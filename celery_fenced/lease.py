@@ -105,15 +105,22 @@ class LeaseStore:
         max_takeovers: int,
         call: Mapping[str, Any] | None = None,
         stage: str = "",
+        publish_id: str = "",
     ) -> AcquireResult:
-        """Take the lease of ``task_id`` for one execution, following the status table."""
+        """Take the lease of ``task_id`` for one execution, following the status table.
+
+        ``publish_id`` names the ``apply_async`` whose message this is: a DONE lease runs a
+        delivery of another publish again (Celery lets a task id be applied again).
+        """
         _require_task_id(task_id)
         if not owner_id:
             raise ValueError("owner_id must not be empty")
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
         call_json = _CALL_ENCODER.encode(call) if call else ""
-        code, previous, flat = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage)
+        code, previous, flat = self._acquire(
+            task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id
+        )
         outcome = AcquireOutcome(_checked_acquire(code))
         return AcquireResult(outcome, as_text(previous), LeaseState.from_flat(task_id, flat))
 
@@ -126,9 +133,10 @@ class LeaseStore:
         call_json: str,
         max_takeovers: int,
         stage: str,
+        publish_id: str,
     ) -> list[Any]:
         keys = [self.keys.lease(task_id), self.keys.token, self.keys.index]
-        args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage]
+        args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
         return list(self.scripts.acquire(keys=keys, args=args))
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[str]:

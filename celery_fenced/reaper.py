@@ -20,6 +20,7 @@ from celery import Celery, states
 from celery._state import _task_stack
 
 from . import events, signals
+from .calls import PUBLISH_ID_HEADER
 from .conf import ensure_conf
 from .exceptions import TaskAbandonedError
 from .lease import ClaimResult, LeaseState
@@ -168,6 +169,9 @@ def resend(app: Celery, state: LeaseState) -> Any:
         options.pop(name, None)
     headers = dict(options.pop("headers", None) or {})
     headers[TAKEOVER_HEADER] = state.takeovers
+    publish_id = state.raw.get("publishId")
+    if publish_id:
+        headers[PUBLISH_ID_HEADER] = publish_id  # a copy of the same run, not a new apply
     options["task_id"] = state.task_id
     with _outside_any_task():
         return app.send_task(

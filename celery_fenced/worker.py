@@ -25,6 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from . import events
 from .attempt import acquire, release, stop_heartbeats
 from .backend import FencedRedisBackend
+from .calls import tag_publish
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
 from .hooks import set_pool_kind
@@ -47,6 +48,7 @@ def connect_worker_hooks(app: Celery) -> None:
     if getattr(app, "_celery_fenced_hooks", False):
         return
     app._celery_fenced_hooks = True
+    signals.before_task_publish.connect(tag_publish, weak=False, dispatch_uid="celery_fenced.publish")
     signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
     signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
     signals.worker_process_init.connect(_on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init")

@@ -9,6 +9,8 @@
 -- ARGV[4]  the original call (JSON of signature_from_request()), may be ""
 -- ARGV[5]  maxTakeovers for this task
 -- ARGV[6]  initial stage, may be ""
+-- ARGV[7]  the publish id of the delivery's message (one per apply_async, kept by the reaper's
+--          re-sends), may be ""
 --
 -- An attempt that asks again (same ownerId: its reply was lost) gets "new" or "takeover" again.
 --
@@ -16,7 +18,10 @@
 --   "new"        no lease existed: token taken, attempt 1
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired: new token, attempt + 1
 --   "duplicate"  a live owner holds it (RUNNING or STALLED, not expired): do not run
---   "done"       a result was stored, or the owner ended the task: do not run
+--   "done"       a result was stored, or the owner ended the task: do not run. A delivery
+--                of another publish (the task id applied again, as Celery allows: a frozen
+--                signature re-applied) starts a new run instead, answered "new"; a cancelled
+--                task and a delivery without a publish id are never run again
 --   "abandoned"  taken over too often: do not run
 redis.replicate_commands()
 
@@ -61,10 +66,19 @@ local function owner_fields(token)
   return fields
 end
 
+-- A new run (a first delivery, or the task id applied again) remembers its publish id.
+local function new_run_fields(fields)
+  if ARGV[7] ~= '' then
+    fields[#fields + 1] = 'publishId'
+    fields[#fields + 1] = ARGV[7]
+  end
+  return fields
+end
+
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- The common case, a first delivery: one write, and the answer is known without a read.
   local token = redis.call('INCR', KEYS[2])
-  local fields = owner_fields(token)
+  local fields = new_run_fields(owner_fields(token))
   fields[#fields + 1] = 'attempt'
   fields[#fields + 1] = 1
   fields[#fields + 1] = 'takeovers'
@@ -85,9 +99,14 @@ if status == 'RUNNING' and redis.call('HGET', KEYS[1], 'ownerId') == ARGV[1] the
   end
   return {again, '', snapshot()}
 end
+local rerun = false
 if status then
   if status == 'DONE' then
-    return {'done', status, snapshot()}
+    local run = redis.call('HMGET', KEYS[1], 'publishId', 'cancelledAt')
+    if ARGV[7] == '' or not run[1] or run[1] == ARGV[7] or run[2] then
+      return {'done', status, snapshot()}
+    end
+    rerun = true
   elseif status == 'ABANDONED' then
     return {'abandoned', status, snapshot()}
   elseif status == 'RUNNING' or status == 'STALLED' then
@@ -98,6 +117,10 @@ if status then
   end
   code = 'takeover'
 else
+  status = ''
+end
+if rerun then
+  code = 'new'
   status = ''
 end
 
@@ -111,7 +134,16 @@ end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSETNX', KEYS[1], 'takeovers', 0)
 redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt', 'resends')
-redis.call('HSET', KEYS[1], unpack(owner_fields(token)))
+if rerun then
+  -- Celery keeps a stored SUCCESS: the new run's writes are not stored over it (store.lua).
+  if redis.call('HGET', KEYS[1], 'resultState') == 'SUCCESS' then
+    redis.call('HSET', KEYS[1], 'successKept', 1)
+  end
+  redis.call('HDEL', KEYS[1], 'finishedAt', 'resultState')
+  redis.call('HSET', KEYS[1], 'takeovers', 0, unpack(new_run_fields(owner_fields(token))))
+else
+  redis.call('HSET', KEYS[1], unpack(owner_fields(token)))
+end
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
 return {code, status, snapshot()}

@@ -30,7 +30,9 @@
 --               lease is LAPSED so the reaper takes the task over at once
 --   "foreign"   refused: a tokenless write not from the owner's process, while an owner
 --               is live (RUNNING, STALLED) or for a state other than REVOKED
---   "sticky"    refused: no lease and a SUCCESS is already stored (Celery's own rule)
+--   "sticky"    not written: a SUCCESS is already stored (Celery's own rule), with no lease,
+--               or for a task id applied again after it (detail "kept"; a READY state still
+--               ends that run's lease)
 redis.replicate_commands()
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -46,7 +48,7 @@ local function write_result()
   redis.call('PUBLISH', KEYS[2], meta)
 end
 
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState', 'successKept')
 local status = cur[1]
 
 if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state
@@ -99,6 +101,20 @@ end
 
 if status == 'DONE' or status == 'ABANDONED' then
   return {'finished', status}
+end
+
+if cur[5] then
+  -- A task id applied again after a SUCCESS: Celery keeps that SUCCESS, so nothing is
+  -- written; a READY state still ends the new run's lease.
+  if kind == 'ready' then
+    redis.call('ZREM', KEYS[3], KEYS[1])
+    redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now,
+      'resultState', 'SUCCESS')
+    if expires > 0 then
+      redis.call('PEXPIRE', KEYS[1], expires)
+    end
+  end
+  return {'sticky', 'kept'}
 end
 
 write_result()

@@ -243,3 +243,44 @@ def test_update_state_of_another_task_leaves_the_callers_lease_alone(cluster: Cl
     assert lease(cluster, other.id)["ownerToken"] == str(other_run["token"])  # the running task's own
     cluster.wake(other.id)
     assert other.get(timeout=20) == f"told {other_run['token']}"
+
+
+# -- a finished task id applied again ----------------------------------------------------------------
+
+
+def test_a_finished_task_id_applied_again_runs_again_as_in_celery(cluster: Cluster) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2)
+    task_id = str(uuid.uuid4())
+    assert app.fenced_failing_once.apply_async(task_id=task_id).get(timeout=20, propagate=False)
+    first = lease(cluster, task_id)
+    assert stored(cluster, task_id)["status"] == "FAILURE"  # type: ignore[index]
+    app.fenced_failing_once.apply_async(task_id=task_id)  # applied again: it runs again, as in Celery
+    wait_until(lambda: (stored(cluster, task_id) or {}).get("status") == "SUCCESS", 20, "the second run")
+    second = lease(cluster, task_id)
+    assert int(second["ownerToken"]) > int(first["ownerToken"]) and second["status"] == "DONE"
+    # Celery keeps a stored SUCCESS: a third apply runs, and the SUCCESS stays as it was.
+    app.fenced_failing_once.apply_async(task_id=task_id)
+    wait_until(lambda: len(cluster.runs(task_id)) == 3, 20, "the third run")
+    wait_until(lambda: lease(cluster, task_id)["status"] == "DONE", 20, "the third run to end")
+    assert stored(cluster, task_id)["fence_token"] == int(second["ownerToken"])  # type: ignore[index]
+    # A copy of a finished run (the same publish: a redelivery, a late re-send) does not run.
+    copy = {"fenced_publish_id": lease(cluster, task_id)["publishId"]}
+    app.fenced_failing_once.apply_async(task_id=task_id, headers=copy)
+    wait_until(lambda: "done delivery" in worker.log(), 20, "the copy to be refused")
+    assert len(cluster.runs(task_id)) == 3
+
+
+def test_a_frozen_chord_applied_again_dispatches_its_body_again(cluster: Cluster) -> None:
+    from celery import group
+
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    flow = chord(group(app.fenced_add.s(1, 2), app.fenced_add.s(3, 4)), app.fenced_sum.s())
+    flow.freeze()
+    result = flow.apply_async()
+    assert result.get(timeout=20) == 10
+    first = int(lease(cluster, result.id)["ownerToken"])
+    assert flow.apply_async().id == result.id  # the same ids: each apply is a new run
+    wait_until(lambda: int(lease(cluster, result.id)["ownerToken"]) > first, 20, "the body to run again")
+    wait_until(lambda: lease(cluster, result.id)["status"] == "DONE", 20, "the body's second run to end")

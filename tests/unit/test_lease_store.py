@@ -767,3 +767,24 @@ def test_an_equal_token_of_another_owner_is_not_current(store: LeaseStore) -> No
     assert other.code == "stale"
     mine = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
     assert mine.stored
+
+
+# -- a finished task id applied again ---------------------------------------------------------------
+
+
+def test_a_finished_task_id_applied_again_runs_again_but_a_copy_of_its_run_does_not(store: LeaseStore) -> None:
+    first = acquire(store, publish_id="p1").state
+    store.store("t1", first.owner_token, b"one", state="SUCCESS", kind="ready", expires_ms=0)
+    assert acquire(store, owner="host/2/b", publish_id="p1").outcome is AcquireOutcome.DONE  # a copy
+    assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.DONE  # no publish id: a copy
+    again = acquire(store, owner="host/3/c", publish_id="p2")  # the task id applied again
+    assert again.outcome is AcquireOutcome.NEW and again.state.owner_token > first.owner_token
+    after = store.read("t1")
+    assert after is not None and after.status == "RUNNING" and after.takeovers == 0
+    assert after.raw["publishId"] == "p2" and "resultState" not in after.raw
+
+
+def test_a_cancelled_task_id_is_not_run_again_by_another_publish(store: LeaseStore) -> None:
+    acquire(store, publish_id="p1")
+    assert store.cancel("t1", lambda token: b"revoked", expires_ms=0) == "cancelled"
+    assert acquire(store, owner="host/2/b", publish_id="p2").outcome is AcquireOutcome.DONE

@@ -440,3 +440,12 @@ def updates_another(self: Any, other_id: str) -> str:
         time.sleep(0.1)
         self.progress("load-data")
     return f"mine {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fenced_failing_once(self: Any) -> str:
+    """Fails on its first run, succeeds on the others (each run is recorded)."""
+    note_run(self)
+    if len(record().lrange(f"runs:{self.request.id}", 0, -1)) == 1:
+        raise ValueError("first run fails")
+    return "ok"

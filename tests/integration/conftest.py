@@ -97,8 +97,10 @@ class Cluster:
         app._local.__dict__.pop("backend", None)
         return fenced_app
 
-    def worker(self, name: str, pool: str = "prefork", concurrency: int = 2, **settings: Any) -> CeleryProcess:
-        """Start a worker process and wait until it is ready."""
+    def worker(
+        self, name: str, pool: str = "prefork", concurrency: int = 2, queues: str | None = None, **settings: Any
+    ) -> CeleryProcess:
+        """Start a worker process (on ``queues``, comma-separated, if given) and wait until it is ready."""
         argv = [
             "-A",
             APP,
@@ -114,6 +116,7 @@ class Cluster:
             "--without-mingle",
             "--without-gossip",
             "-E",
+            *(["-Q", queues] if queues else []),
         ]
         proc = CeleryProcess(name, argv, self.env(**settings), self.tmp_path / f"{name}.log", " ready.")
         self.processes.append(proc)

@@ -284,3 +284,52 @@ def test_a_frozen_chord_applied_again_dispatches_its_body_again(cluster: Cluster
     assert flow.apply_async().id == result.id  # the same ids: each apply is a new run
     wait_until(lambda: int(lease(cluster, result.id)["ownerToken"]) > first, 20, "the body to run again")
     wait_until(lambda: lease(cluster, result.id)["status"] == "DONE", 20, "the body's second run to end")
+
+
+def test_a_cancelled_chord_member_fires_the_chord_body_with_its_error(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    waiting = app.progress_until_told.si()
+    result = chord([app.fenced_add.s(1, 1), waiting], app.fenced_sum.s()).apply_async()
+    member = result.parent.results[1].id
+    cluster.wait_runs(member, 1)
+    assert cluster.cli("cancel", member).returncode == 0
+    wait_until(lambda: (stored(cluster, result.id) or {}).get("status") == "FAILURE", 20, "the chord body's FAILURE")
+    error = stored(cluster, result.id)["result"]  # type: ignore[index]
+    assert error["exc_type"] == "ChordError" and "TaskRevokedError" in error["exc_message"][0]
+    cluster.wake(member)
+
+
+def test_a_task_stopped_at_its_max_duration_calls_its_errback_once(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    result = app.endless.apply_async(link_error=app.record_errback.s())
+    wait_until(lambda: cluster.record.llen(f"errback:{result.id}"), 20, "the errback")
+    assert stored(cluster, result.id)["status"] == "FAILURE"  # type: ignore[index]
+    wait_until(lambda: lease(cluster, result.id)["status"] == "DONE", 10, "the lease to end")
+    assert cluster.record.lrange(f"errback:{result.id}", 0, -1) == ["TimeLimitExceeded"]
+
+
+# -- a backlog is not a failure ----------------------------------------------------------------------
+
+
+def test_a_task_waiting_in_a_long_queue_is_never_abandoned(cluster: Cluster) -> None:
+    app = cluster.app()
+    settings = {"fenced_max_takeovers": 1, "fenced_requeue_timeout": 1}
+    # The task's queue has one process, held by its stalled first attempt: the re-sent
+    # message waits behind it for several requeue timeouts. The reaper runs on another worker.
+    cluster.worker("slow", concurrency=1, queues="slowq", **settings)
+    cluster.worker("reaper", concurrency=2, queues="celery", **settings)
+    cluster.beat(**settings)
+    result = app.zombie_once.apply_async(("q",), queue="slowq")
+    wait_until(lambda: lease(cluster, result.id).get("status") == "REQUEUED", 20, "the takeover")
+    wait_until(lambda: lease(cluster, result.id).get("resends") == "1", 20, "a re-send of the waiting message")
+    resent_due = int(lease(cluster, result.id)["leaseExpireAt"])
+    # One more pass finds it still waiting: sent as often as allowed, it only waits.
+    wait_until(lambda: int(lease(cluster, result.id)["leaseExpireAt"]) > resent_due, 20, "a later reaper pass")
+    state = lease(cluster, result.id)
+    assert state["status"] == "REQUEUED" and state["takeovers"] == "1" and state["resends"] == "1"
+    cluster.wake(result.id)  # the process frees: the task ends with a result, not abandoned
+    assert result.get(timeout=30).endswith(" q")  # the woken first attempt's, or a queued copy's
+    wait_until(lambda: lease(cluster, result.id)["status"] == "DONE", 10, "the lease to end")
+    assert lease(cluster, result.id)["takeovers"] == "1"

@@ -26,7 +26,7 @@ def populate(store, size: int, lapsed: int) -> None:  # type: ignore[no-untyped-
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(size, start + 2000)):
             keys = [store.keys.lease(f"t{i}"), store.keys.token, store.keys.index]
-            store.scripts.acquire(keys=keys, args=["bench/1/a", 600_000, "bench", "", 3, ""], client=pipe)
+            store.scripts.acquire(keys=keys, args=["bench/1/a", 600_000, "bench", "", 3, "", ""], client=pipe)
         pipe.execute()
     pipe = client.pipeline(transaction=False)
     for i in range(0, size, size // lapsed):

@@ -66,11 +66,13 @@ local function owner_fields(token)
   return fields
 end
 
+local publish_id = ARGV[7] or ''
+
 -- A new run (a first delivery, or the task id applied again) remembers its publish id.
 local function new_run_fields(fields)
-  if ARGV[7] ~= '' then
+  if publish_id ~= '' then
     fields[#fields + 1] = 'publishId'
-    fields[#fields + 1] = ARGV[7]
+    fields[#fields + 1] = publish_id
   end
   return fields
 end
@@ -103,7 +105,7 @@ local rerun = false
 if status then
   if status == 'DONE' then
     local run = redis.call('HMGET', KEYS[1], 'publishId', 'cancelledAt')
-    if ARGV[7] == '' or not run[1] or run[1] == ARGV[7] or run[2] then
+    if publish_id == '' or not run[1] or run[1] == publish_id or run[2] then
       return {'done', status, snapshot()}
     end
     rerun = true

@@ -288,8 +288,11 @@ class Heartbeat:
 
         The owner keeps running under its token and the reaper can still re-send the task:
         neither stops in silence. Where another delivery acquired it meanwhile, the next
-        renewal is refused as usual.
+        renewal is refused as usual. A lease its attempt ended meanwhile (handed off to a
+        replacement, which deletes it) is left alone.
         """
+        if lease.ended or lease.lost_reason is not None:
+            return False
         try:
             code = self._get_store().restore(
                 lease.task_id,

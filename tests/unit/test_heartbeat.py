@@ -95,3 +95,26 @@ def test_a_lease_ended_by_someone_else_while_the_body_runs_is_lost(store: LeaseS
     beat.tick()
     assert hooks.losses == [("t2", "renewal refused: the task was ended (result stored or cancelled)")]
     assert lease.lost_reason is not None
+
+
+def test_a_vanished_lease_is_written_back_by_its_live_owner(store: LeaseStore, redis_client: redis.Redis) -> None:
+    hooks = RecordingHooks()
+    lease = owned(store, "t3")
+    lease.call = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "q"}}
+    beat = heartbeat(store, hooks, lease)
+    redis_client.delete(store.keys.lease("t3"))  # evicted, flushed, or lost in a failover
+    beat.tick()
+    assert hooks.losses == [] and lease.lost_reason is None
+    state = store.read("t3")
+    assert state is not None and state.status == "RUNNING" and state.owner_token == lease.token
+    assert state.call == lease.call and "restoredAt" in state.raw  # the reaper can still re-send it
+
+
+def test_a_renewal_racing_a_hand_off_does_not_write_the_lease_back(store: LeaseStore) -> None:
+    hooks = RecordingHooks()
+    lease = owned(store, "t4")
+    beat = heartbeat(store, hooks, lease)
+    lease.ended = True  # replace(): the attempt ends its lease, then hands the task id off
+    assert store.hand_off("t4", OWNER, lease.token) == "ok"
+    beat._renew([(lease, False)])  # a renewal that was already on its way
+    assert store.read("t4") is None  # the replacement starts afresh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -175,6 +176,24 @@ class Cluster:
             proc.stop()
         self.record.close()
         self.results.close()
+        self._close_result_consumer()
+
+    @staticmethod
+    def _close_result_consumer() -> None:
+        """Close this test's result subscriptions, so no later test's GC reopens and leaks them.
+
+        An ``AsyncResult`` unsubscribes when it is collected (``__del__``); collected in a later
+        test, after ``app()`` dropped this backend, it would open a connection nobody closes.
+        """
+        from tests.integration.apps import fenced_app
+
+        gc.collect()
+        backend = fenced_app.app._local.__dict__.get("backend")
+        if backend is not None:
+            consumer = backend.result_consumer
+            consumer.stop()
+            backend.client.close()
+            consumer.cancel_for = lambda task_id: None  # results collected later: nothing to unsubscribe
 
 
 def _flushall(server: RedisServer) -> None:

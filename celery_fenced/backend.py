@@ -29,7 +29,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from . import events, reaper, signals
 from .conf import ensure_conf
-from .exceptions import TaskAbandonedError
+from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
 from .lease import LeaseStore, StoreResult
 from .metrics import buffer as metrics
@@ -88,6 +88,26 @@ def _global_keyprefix(app: Any) -> str:
     return str(prefix)
 
 
+#: A taken-over owner whose SUCCESS comes within this many times its stage's deadline after
+#: its last progress counts as a false takeover; one that needed longer was stuck, not slow.
+FALSE_TAKEOVER_FACTOR = 10
+
+#: The URL schemes after ``fenced+`` that name a Redis server (the lease store is Redis).
+REDIS_SCHEMES = ("redis", "rediss", "sentinel", "socket", "unix")
+
+
+def check_redis_url(url: Any) -> None:
+    """Refuse a ``fenced+`` URL whose inner scheme is not a Redis one (it would be read as Redis)."""
+    if not url:
+        return
+    scheme = str(url).partition("://")[0].lower()
+    if scheme not in REDIS_SCHEMES:
+        raise ConfigurationError(
+            f"result_backend 'fenced+{scheme}://…' is not a Redis URL: the leases live in Redis, so use "
+            + ", ".join(f"fenced+{name}://" for name in REDIS_SCHEMES[:3])
+        )
+
+
 class FencedRedisBackend(RedisBackend):
     """Celery's Redis result backend, with every write fenced by the task's token.
 
@@ -104,6 +124,7 @@ class FencedRedisBackend(RedisBackend):
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_redis_url(kwargs.get("url"))
         super().__init__(*args, **kwargs)
         conf = ensure_conf(self.app)
         self.keyspace = KeySpace.build(conf.key_prefix, bytes_to_str(self.task_keyprefix), _global_keyprefix(self.app))
@@ -224,10 +245,17 @@ class FencedRedisBackend(RedisBackend):
             return
         owned.mark_lost("fenced: a newer token owns the task")
         if state == states.SUCCESS:
-            # The old owner of a takeover finished after all: its deadline was too tight.
+            # The old owner of a takeover finished after all, soon after its deadline: the
+            # deadline was too tight (counted per stage, so `tune` never cuts that one).
+            allowed, elapsed, _ = owned.no_progress_deadline(time.monotonic())
             lease = self.lease_store.read(task_id)
-            if lease is not None and lease.takeovers > 0 and "cancelledAt" not in lease.raw:
-                metrics.inc("owner_false_takeover_total")
+            if (
+                lease is not None
+                and lease.takeovers > 0
+                and "cancelledAt" not in lease.raw
+                and elapsed <= allowed * FALSE_TAKEOVER_FACTOR
+            ):
+                metrics.inc("owner_false_takeover_total", stage=owned.stage or "")
         metrics.flush(self.lease_store)
         events.send(
             self.app,

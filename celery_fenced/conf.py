@@ -8,8 +8,10 @@ naming the setting and the value.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -24,8 +26,11 @@ __all__ = [
     "FencedConfig",
     "TaskPolicy",
     "ensure_conf",
+    "nearest",
     "normalise_stage",
 ]
+
+logger = logging.getLogger("celery_fenced.conf")
 
 #: What the heartbeat does once a lease made no progress for ``fenced_stall_checks`` ticks.
 ON_STALL_MODES = ("release", "expire", "alert")
@@ -42,7 +47,7 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "fenced_on_stall": "release",
         "fenced_max_takeovers": 3,
         "fenced_max_task_duration": None,
-        "fenced_interrupt_on_loss": False,
+        "fenced_interrupt_on_loss": True,
         "fenced_reaper_interval": 5.0,
         "fenced_takeover_grace": 0.0,
         "fenced_requeue_timeout": 60.0,
@@ -246,16 +251,82 @@ def read_settings(app: Celery) -> dict[str, Any]:
 
 
 _MISSING = object()
+_warned_unknown: set[str] = set()
 _CACHE_ATTR = "_celery_fenced_conf"
 
 
 def ensure_conf(app: Celery) -> FencedConfig:
-    """Return the app's validated :class:`FencedConfig`, built once and cached on the app."""
+    """Return the app's validated :class:`FencedConfig`, built once and cached on the app.
+
+    The first build also warns about each ``fenced_*`` setting that is not one of
+    :data:`DEFAULTS` (a misspelled key would otherwise be ignored without a word).
+    """
     conf: FencedConfig | None = getattr(app, _CACHE_ATTR, None)
     if conf is None:
         conf = FencedConfig.from_mapping(read_settings(app))
         setattr(app, _CACHE_ATTR, conf)
+        for key in unknown_settings(app):
+            if key in _warned_unknown:
+                continue
+            _warned_unknown.add(key)
+            hint = nearest(key.lower().removeprefix("celery_"), DEFAULTS)
+            logger.warning(
+                "unknown setting %s: celery-fenced has no such setting%s",
+                key,
+                f" (did you mean {hint}?)" if hint else "",
+            )
     return conf
+
+
+def exit_on_bad_settings(app: Celery) -> None:
+    """Validate ``app``'s settings; a bad one ends the process with one line naming it.
+
+    For long-running commands (beat, the worker), where Celery would otherwise print the
+    error inside a long traceback, line by line through its log.
+    """
+    try:
+        ensure_conf(app)
+    except ConfigurationError as exc:
+        raise SystemExit(f"celery-fenced: {exc}") from None
+
+
+def check_settings_before_beat(app: Celery) -> None:
+    """Make ``celery beat`` stop with one line on a bad setting, before its scheduler starts.
+
+    Beat builds the result backend while it sets up its schedule, before any signal of its
+    own; the app's ``on_after_finalize`` comes earlier, and this receiver acts only under
+    the ``beat`` command (idempotent).
+    """
+    if getattr(app, "_celery_fenced_beat_check", False):
+        return
+    app._celery_fenced_beat_check = True
+
+    def check(sender: Any = None, **_: Any) -> None:
+        import click
+
+        context = click.get_current_context(silent=True)
+        if context is not None and context.info_name == "beat":
+            exit_on_bad_settings(app)
+
+    app.on_after_finalize.connect(check, weak=False)
+
+
+def unknown_settings(app: Celery) -> list[str]:
+    """The keys of ``app.conf`` that look like fenced settings but are none of them."""
+    unknown = []
+    for key in list(app.conf.keys()):
+        if not isinstance(key, str):
+            continue
+        name = key.lower().removeprefix("celery_")
+        if name.startswith("fenced_") and name not in DEFAULTS:
+            unknown.append(key)
+    return sorted(unknown)
+
+
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    """The known name closest to a misspelled ``name``, or ``None`` when none is close."""
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
 
 
 def reset_conf(app: Celery) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -24,11 +25,12 @@ from celery.exceptions import TimeLimitExceeded
 
 from . import events
 from . import signals as fenced_signals
+from .conf import nearest
 from .exceptions import LeaseLostError
-from .owner import OwnedLease
+from .owner import OwnedLease, thread_state
 from .reaper import request_reap
 
-__all__ = ["WorkerHooks", "interrupt", "send_lease_event", "set_pool_kind"]
+__all__ = ["WorkerHooks", "install_interrupt_handler", "interrupt", "send_lease_event", "set_pool_kind"]
 
 logger = logging.getLogger("celery_fenced.hooks")
 
@@ -122,21 +124,24 @@ class WorkerHooks:
             lease.published_stage = lease.stage
             send_lease_event(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
             table = lease.policy.stage_timeouts
-            if lease.stage is not None and lease.stage not in table:
-                _log_unknown_stage_once(lease.task_name, lease.stage, lease.policy.default_stage_timeout)
+            if table and lease.stage is not None and lease.stage not in table:
+                _log_unknown_stage_once(lease.task_name, lease.stage, table, lease.policy.default_stage_timeout)
 
 
-_unknown_stages: set[tuple[str, str]] = set()
+_unknown_stages: set[str] = set()
 
 
-def _log_unknown_stage_once(task_name: str, stage: str, default: float) -> None:
-    if (task_name, stage) in _unknown_stages:
+def _log_unknown_stage_once(task_name: str, stage: str, table: Mapping[str, float], default: float) -> None:
+    """Warn once per stage and process about a stage the table does not have (a typo, often)."""
+    if stage in _unknown_stages:
         return
-    _unknown_stages.add((task_name, stage))
-    logger.info(
-        "task %s: stage %r is not in the stage table; it uses the default deadline (%gs)",
+    _unknown_stages.add(stage)
+    hint = nearest(stage, table)
+    logger.warning(
+        "task %s: stage %r is not in fenced_stage_timeouts%s; it gets the default deadline (%gs)",
         task_name,
         stage,
+        f" (did you mean {hint!r}?)" if hint else "",
         default,
     )
 
@@ -160,20 +165,70 @@ def send_lease_event(app: Celery, event_type: str, lease: OwnedLease, **fields: 
     )
 
 
+class _LeaseLostInterrupt(LeaseLostError):
+    """The ``LeaseLostError`` raised asynchronously in a task's thread (threads and solo pools).
+
+    An asynchronous exception is raised as a class and built with no arguments in the
+    thread it interrupts: it takes the task id, token and reason from that thread's lease.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        lease = thread_state.lease if not args else None
+        if lease is not None:
+            args = (lease.task_id, lease.token, lease.lost_reason or "lease lost")
+        super().__init__(*args)
+
+
+# The lease whose body the SIGUSR1 under way interrupts (prefork children only).
+_interrupting: OwnedLease | None = None
+_handler_installed = False
+
+
+def install_interrupt_handler() -> None:
+    """Prefork child, main thread: let SIGUSR1 raise ``LeaseLostError`` for an interrupt.
+
+    Billiard's own SIGUSR1 handler (a soft time limit) is kept for every other SIGUSR1: the
+    new handler raises ``LeaseLostError`` only when :func:`interrupt` sent the signal. It is
+    installed at the first acquire, after billiard installed its own (idempotent).
+    """
+    global _handler_installed
+    if _handler_installed or _pool_kind != "prefork" or threading.current_thread() is not threading.main_thread():
+        return
+    _handler_installed = True
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def on_sigusr1(signum: int, frame: Any) -> Any:
+        global _interrupting
+        lease, _interrupting = _interrupting, None
+        if lease is not None:  # ours: a body that finished meanwhile is left alone
+            if not lease.body_done:
+                raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "lease lost")
+            return None
+        if callable(previous):
+            return previous(signum, frame)
+        return None
+
+    signal.signal(signal.SIGUSR1, on_sigusr1)
+
+
 def interrupt(lease: OwnedLease) -> None:
     """Stop the body of a lease that was lost, unless it already finished.
 
-    Prefork: SIGUSR1 to this child raises ``SoftTimeLimitExceeded`` in the task thread, even
-    out of a blocking sleep. Threads and solo: an asynchronous ``LeaseLostError`` in the
-    task's thread, raised when that thread next runs Python code (SIGUSR1 would make the
-    main process dump tracebacks there).
+    Prefork: SIGUSR1 to this child raises ``LeaseLostError`` in the task thread, even out of
+    a blocking sleep or socket read (see :func:`install_interrupt_handler`). Threads and
+    solo: an asynchronous ``LeaseLostError`` in the task's thread, raised when that thread
+    next runs Python code (SIGUSR1 would make the main process dump tracebacks there).
     """
+    global _interrupting
     with lease.lock:
         if lease.body_done:
             return
         if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
             logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
+            _interrupting = lease
             os.kill(os.getpid(), signal.SIGUSR1)
             return
         logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(lease.thread_id), ctypes.py_object(LeaseLostError))
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(lease.thread_id), ctypes.py_object(_LeaseLostInterrupt)
+        )

@@ -21,8 +21,8 @@ from celery._state import _task_stack
 
 from . import events, signals
 from .calls import PUBLISH_ID_HEADER
-from .conf import ensure_conf
-from .exceptions import TaskAbandonedError
+from .conf import DEFAULTS, check_settings_before_beat, ensure_conf
+from .exceptions import ConfigurationError, TaskAbandonedError
 from .lease import ClaimResult, LeaseState
 from .metrics import buffer as metrics
 
@@ -242,12 +242,18 @@ def install(app: Celery) -> None:
     Calling it twice is harmless.
     """
     register_reaper_task(app)
+    check_settings_before_beat(app)
     if getattr(app, "_celery_fenced_installed", False):
         return
     app._celery_fenced_installed = True
 
     def add_schedule(**_: Any) -> None:
-        interval = ensure_conf(app).reaper_interval
+        try:
+            interval = ensure_conf(app).reaper_interval
+        except ConfigurationError:
+            # Reported where it can stop the process in one line (worker, beat, CLI); a
+            # client that only sends tasks is not stopped by it.
+            interval = DEFAULTS["fenced_reaper_interval"]
         app.add_periodic_task(
             interval,
             app.signature(REAP_TASK_NAME, options={"expires": max(1.0, interval * 0.9)}),

@@ -28,8 +28,9 @@ from .backend import FencedRedisBackend
 from .calls import tag_publish
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
-from .hooks import set_pool_kind
-from .reaper import register_reaper_task
+from .hooks import install_interrupt_handler, set_pool_kind
+from .reaper import REAP_TASK_NAME, register_reaper_task
+from .reaper_thread import ReaperThread
 
 __all__ = ["check_worker", "connect_worker_hooks"]
 
@@ -125,22 +126,80 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
 
 
 class FencedWorkerStep(bootsteps.StartStopStep):
-    """Checks the worker at start; stops this process's heartbeat at shutdown."""
+    """Checks the worker at start, runs its reaper thread, stops the heartbeat at shutdown."""
 
     label = "celery-fenced"
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        check_worker(parent.app, parent.pool_cls)
+        try:
+            check_worker(parent.app, parent.pool_cls)
+        except ConfigurationError as exc:
+            # One line naming what is wrong, not a traceback ending in it.
+            raise SystemExit(f"celery-fenced: {exc}") from None
         # Set before the pool forks, so prefork children inherit both.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
+        quiet_reaper_runs()
+        self.reaper: ReaperThread | None = None
 
     def start(self, parent: Any) -> None:
         set_pool_kind(pool_kind_of(parent.pool_cls))
-        warn_if_redis_can_evict(parent.app)
+        app = parent.app
+        if not isinstance(app.backend, FencedRedisBackend):
+            return
+        if lease_redis_reachable(app):
+            warn_if_redis_can_evict(app)
+        self.reaper = ReaperThread(app)
+        self.reaper.start()
 
     def stop(self, parent: Any) -> None:
+        if self.reaper is not None:
+            self.reaper.stop()
         stop_heartbeats()
+
+
+def lease_redis_reachable(app: Celery) -> bool:
+    """Say so, in one line, when the lease Redis cannot be reached at the worker's start.
+
+    The worker still starts (Redis may come back, and the heartbeat and the reaper retry),
+    but its operator reads why fenced tasks cannot run before "ready".
+    """
+    backend = app.backend
+    try:
+        backend.client.ping()
+    except Exception as exc:
+        logger.error(
+            "celery-fenced: the lease Redis %s cannot be reached (%s): fenced tasks cannot start until it can",
+            backend.as_uri(),
+            exc,
+        )
+        return False
+    return True
+
+
+class _QuietReaperRuns(logging.Filter):
+    """Drops the worker's "received" and "succeeded" lines of ``celery_fenced.reap`` runs.
+
+    The reaper runs every few seconds on every worker: its own runs would fill the log. What
+    it did (claims, re-sends, abandons) is logged by the reaper itself.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.levelno > logging.INFO or not isinstance(args, dict):
+            return True
+        return args.get("name") != REAP_TASK_NAME
+
+
+_QUIET = _QuietReaperRuns()
+
+
+def quiet_reaper_runs() -> None:
+    """Attach the filter to the loggers of Celery's "received" and "succeeded" lines (idempotent)."""
+    for name in ("celery.worker.strategy", "celery.app.trace"):
+        target = logging.getLogger(name)
+        if _QUIET not in target.filters:
+            target.addFilter(_QUIET)
 
 
 class ChildExitWatch(bootsteps.StartStopStep):
@@ -201,6 +260,7 @@ def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, *
     request = task.request
     if request.is_eager or request.called_directly:
         return
+    install_interrupt_handler()
     try:
         acquire(task, request)
     except ConfigurationError as exc:

@@ -99,9 +99,18 @@ class Cluster:
         return fenced_app
 
     def worker(
-        self, name: str, pool: str = "prefork", concurrency: int = 2, queues: str | None = None, **settings: Any
+        self,
+        name: str,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        queues: str | None = None,
+        environ: dict[str, str] | None = None,
+        **settings: Any,
     ) -> CeleryProcess:
-        """Start a worker process (on ``queues``, comma-separated, if given) and wait until it is ready."""
+        """Start a worker process (on ``queues``, comma-separated, if given) and wait until it is ready.
+
+        ``environ`` overrides variables of its environment; ``settings`` are app settings.
+        """
         argv = [
             "-A",
             APP,
@@ -119,7 +128,8 @@ class Cluster:
             "-E",
             *(["-Q", queues] if queues else []),
         ]
-        proc = CeleryProcess(name, argv, self.env(**settings), self.tmp_path / f"{name}.log", " ready.")
+        env = {**self.env(**settings), **(environ or {})}
+        proc = CeleryProcess(name, argv, env, self.tmp_path / f"{name}.log", " ready.")
         self.processes.append(proc)
         return proc.wait_ready()
 

@@ -91,7 +91,7 @@ def test_the_signals_users_connect_to(fenced_app: Any, fenced_worker: Any, fence
     try:
         attempts: list[int] = []
 
-        @fenced_app.task(bind=True, base=ProgressLeasedTask)
+        @fenced_app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)  # it must wake and write
         def stalls_once(self: Any) -> int:
             self.progress("load-data")
             attempts.append(int(self.fencing_token))

@@ -25,7 +25,7 @@ def test_defaults_match_the_contract() -> None:
     assert policy.stage_timeouts == {} and policy.default_stage_timeout == 60
     assert policy.stall_checks == 2 and policy.on_stall == "release"
     assert policy.max_takeovers == 3 and policy.max_task_duration is None
-    assert policy.interrupt_on_loss is False
+    assert policy.interrupt_on_loss is True
     assert conf.reaper_interval == 5 and conf.takeover_grace == 0 and conf.requeue_timeout == 60
     assert set(DEFAULTS) == {
         "fenced_key_prefix",

@@ -78,6 +78,23 @@ def wait_for_key(key: str, timeout: float) -> bool:
 
 
 @app.task(bind=True, base=ProgressLeasedTask)
+def stuck_downstream(self: Any) -> str:
+    """The first attempt blocks in a socket read that never returns (a downstream outage)."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        try:
+            redis.Redis.from_url(os.environ["FENCED_TEST_RECORD_URL"]).blpop([f"never:{self.request.id}"], timeout=0)
+        except BaseException as exc:
+            record().rpush(
+                f"interrupted:{self.request.id}",
+                "LeaseLostError" if isinstance(exc, LeaseLostError) else type(exc).__name__,
+            )
+            raise
+    return f"owner {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
 def steady(self: Any, steps: int, pause: float) -> str:
     """Progresses ``steps`` times, ``pause`` seconds apart."""
     note_run(self)
@@ -87,7 +104,7 @@ def steady(self: Any, steps: int, pause: float) -> str:
     return f"done by {self.fencing_token}"
 
 
-@app.task(bind=True, base=ProgressLeasedTask)
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
 def zombie_once(self: Any, label: str = "") -> str:
     """The first attempt reports one stage, then blocks without progress until told to wake."""
     note_run(self)
@@ -113,7 +130,10 @@ def blocked_until_interrupted(self: Any) -> str:
             for _ in range(600):
                 time.sleep(0.1)
         except BaseException as exc:
-            record().rpush(f"interrupted:{self.request.id}", type(exc).__name__)
+            record().rpush(
+                f"interrupted:{self.request.id}",
+                "LeaseLostError" if isinstance(exc, LeaseLostError) else type(exc).__name__,
+            )
             raise
         return "not interrupted"
     return "owner"
@@ -140,7 +160,7 @@ def killed_once(self: Any) -> str:
     return f"finished by {os.getpid()}"
 
 
-@app.task(bind=True, base=ProgressLeasedTask)
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
 def chain_step(self: Any, name: str) -> str:
     """A chain link that records its runs under its own name."""
     note_run(self)
@@ -167,6 +187,8 @@ def unknown_stage(self: Any) -> str:
     self.progress("not-in-the-table")
     time.sleep(0.8)
     self.progress("not-in-the-table")
+    self.progress("laod_data")  # a typo of "load-data"
+    time.sleep(0.8)
     return "ok"
 
 
@@ -180,7 +202,7 @@ def alert_stall(self: Any, quiet: float) -> str:
     return "alert ok"
 
 
-@app.task(bind=True, base=ProgressLeasedTask, on_stall="expire")
+@app.task(bind=True, base=ProgressLeasedTask, on_stall="expire", interrupt_on_loss=False)
 def expire_stall(self: Any) -> str:
     """An expire-mode task whose first attempt stalls until told to wake."""
     note_run(self)
@@ -377,7 +399,7 @@ def write_row(self: Any, key: str) -> str:
     return "written"
 
 
-@app.task(bind=True, base=ProgressLeasedTask, max_takeovers=1)
+@app.task(bind=True, base=ProgressLeasedTask, max_takeovers=1, interrupt_on_loss=False)
 def always_stalls(self: Any) -> str:
     """Every attempt stalls without progress: taken over until abandoned."""
     note_run(self)
@@ -392,7 +414,7 @@ def record_errback(request: Any, exc: Any, traceback: Any) -> None:
     record().rpush(f"errback:{request.id}", type(exc).__name__)
 
 
-@app.task(bind=True, base=ProgressLeasedTask, time_limit=7)
+@app.task(bind=True, base=ProgressLeasedTask, time_limit=7, interrupt_on_loss=False)
 def stalls_into_time_limit(self: Any) -> str:
     """The first attempt stalls until its hard time limit kills it; the next progresses past it."""
     note_run(self)

@@ -7,12 +7,12 @@ and gets the app from ``-A``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ import click
 
 from . import control
 from .conf import ensure_conf
-from .metrics import BUCKETS, COUNTERS, HISTOGRAMS, read_totals
+from .exceptions import ConfigurationError
+from .metrics import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, read_gaps, read_totals
+from .tuning import suggest
 
 __all__ = ["fenced"]
 
@@ -30,11 +32,19 @@ def _app(ctx: click.Context) -> Any:
     app = getattr(ctx.obj, "app", None) or getattr(obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run it as `celery -A proj fenced …`")
+    try:
+        ensure_conf(app)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
     return app
 
 
 def _store(app: Any) -> Any:
-    store = getattr(app.backend, "lease_store", None)
+    try:
+        backend = app.backend
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    store = getattr(backend, "lease_store", None)
     if store is None:
         raise click.ClickException(
             f"the result backend is {type(app.backend).__name__}: celery fenced needs "
@@ -49,33 +59,53 @@ def fenced(ctx: click.Context) -> None:
     """Progress-aware leases: status, inspect, cancel, redrive, metrics, tune, flower."""
 
 
+#: The statuses ``status --state`` selects; live ones (RUNNING, STALLED) are listed by default.
+LISTED_STATES = ("RUNNING", "STALLED", "LAPSED", "REQUEUED", "RETRYING", "ABANDONED")
+
+
 @fenced.command()
 @click.option("--limit", default=200, show_default=True, help="Most leases listed.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per lease instead of a table.")
-@click.option("--all", "show_all", is_flag=True, help="Also lapsed, requeued and retrying leases.")
+@click.option("--all", "show_all", is_flag=True, help="Every state below, not only the live ones.")
+@click.option(
+    "--state",
+    "wanted",
+    multiple=True,
+    type=click.Choice(LISTED_STATES, case_sensitive=False),
+    help="Only leases in this state (repeat for several); ABANDONED lists the dead letters.",
+)
 @click.pass_context
-def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool) -> None:
-    """A table of live leases: task, owner, token, stage, seconds since progress, seconds left."""
-    store = _store(_app(ctx))
+def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...]) -> None:
+    """A table of leases: task, owner, token, stage, seconds since progress, seconds left.
+
+    By default the live ones (RUNNING, STALLED); ``--state`` or ``--all`` for the others,
+    ABANDONED tasks (the dead letters, for ``redrive``) included.
+    """
+    app = _app(ctx)
+    store = _store(app)
+    selected = {state.upper() for state in wanted} or set(LISTED_STATES if show_all else ("RUNNING", "STALLED"))
     now = store.server_time_ms()
-    states = store.read_many(store.indexed_task_ids(limit))
-    rows = [s for s in states if show_all or s.is_live]
+    rows = [s for s in store.read_many(store.indexed_task_ids(limit)) if s.status in selected]
+    if "ABANDONED" in selected:
+        rows += control.abandoned(app, limit)
+    rows = rows[:limit]
     if as_json:
         for state in rows:
             click.echo(json.dumps(_row(state, now)))
         return
-    headers = ("TASK ID", "NAME", "STATUS", "OWNER", "TOKEN", "STAGE", "SINCE PROGRESS", "LEFT", "ATTEMPT")
+    headers = ("TASK ID", "NAME", "STATUS", "OWNER", "TOKEN", "STAGE", "SINCE PROGRESS", "LEFT", "ATTEMPT", "TAKEOVERS")
     table = [
         (
             r["task_id"],
             r["name"],
             r["status"],
-            r["owner"],
+            r["owner"] or "-",
             str(r["token"]),
             r["stage"] or "-",
-            f"{r['seconds_since_progress']:.1f}s",
-            f"{r['seconds_left']:.1f}s",
+            _seconds(r["seconds_since_progress"]),
+            _seconds(r["seconds_left"]),
             str(r["attempt"]),
+            str(r["takeovers"]),
         )
         for r in (_row(state, now) for state in rows)
     ]
@@ -83,7 +113,12 @@ def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool) -> Non
     click.echo(f"{len(table)} lease(s)")
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
 def _row(state: Any, now: int) -> dict[str, Any]:
+    ended = state.status == "ABANDONED"
     return {
         "task_id": state.task_id,
         "name": state.task_name,
@@ -91,8 +126,8 @@ def _row(state: Any, now: int) -> dict[str, Any]:
         "owner": state.owner_id,
         "token": state.owner_token,
         "stage": state.current_stage,
-        "seconds_since_progress": (now - (state.last_progress_at or now)) / 1000,
-        "seconds_left": ((state.lease_expire_at or now) - now) / 1000,
+        "seconds_since_progress": None if state.last_progress_at is None else (now - state.last_progress_at) / 1000,
+        "seconds_left": None if ended or state.lease_expire_at is None else (state.lease_expire_at - now) / 1000,
         "attempt": state.attempt,
         "takeovers": state.takeovers,
     }
@@ -100,40 +135,141 @@ def _row(state: Any, now: int) -> dict[str, Any]:
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 @fenced.command()
 @click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="The lease as one JSON object, typed.")
 @click.pass_context
-def inspect(ctx: click.Context, task_id: str) -> None:
-    """The whole lease of TASK_ID, as JSON."""
-    state = control.inspect(_app(ctx), task_id)
+def inspect(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """The whole lease of TASK_ID: typed fields, times as dates and ages, and the recorded call."""
+    app = _app(ctx)
+    store = _store(app)
+    state = control.inspect(app, task_id)
     if state is None:
-        raise click.ClickException(f"task {task_id} has no lease")
-    click.echo(json.dumps(dict(state.raw), indent=2, sort_keys=True))
+        raise click.ClickException(f"task {task_id} has no lease (unknown, or its lease expired)")
+    fields = typed_fields(state.raw)
+    if as_json:
+        click.echo(json.dumps(fields, indent=2, sort_keys=True))
+        return
+    click.echo(render_lease(task_id, fields, store.server_time_ms()))
 
 
 @fenced.command()
-@click.argument("task_id")
+@click.argument("task_ids", nargs=-1, required=True)
 @click.option("--reason", default="cancelled", show_default=True, help="Stored in the REVOKED result.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Also cancel an id with neither lease nor result (a task still waiting in the queue).",
+)
 @click.pass_context
-def cancel(ctx: click.Context, task_id: str, reason: str) -> None:
-    """End TASK_ID for good (a fenced REVOKED; its owner is told at its next step)."""
-    click.echo(control.cancel(_app(ctx), task_id, reason))
+def cancel(ctx: click.Context, task_ids: tuple[str, ...], reason: str, force: bool) -> None:
+    """End each TASK_ID for good (a fenced REVOKED; its owner is told at its next step).
+
+    An id with neither lease nor result is an error and nothing is stored for it, unless
+    --force: a task that waits in the queue has neither yet.
+    """
+    app = _app(ctx)
+    _store(app)
+    failed = 0
+    for task_id in task_ids:
+        code = control.cancel(app, task_id, reason, unknown_too=force)
+        if code == "unknown":
+            failed += 1
+            click.echo(
+                f"Error: task {task_id} is unknown (no lease, no result): nothing stored; "
+                "--force cancels a task still waiting in the queue",
+                err=True,
+            )
+            continue
+        click.echo(f"{task_id}: {code}")
+    if failed:
+        ctx.exit(1)
 
 
 @fenced.command()
-@click.argument("task_id")
+@click.argument("task_ids", nargs=-1)
+@click.option("--all-abandoned", is_flag=True, help="Every ABANDONED task (see status --state ABANDONED).")
 @click.pass_context
-def redrive(ctx: click.Context, task_id: str) -> None:
-    """Put an ABANDONED TASK_ID back for a fresh set of takeovers."""
-    code = control.redrive(_app(ctx), task_id)
-    click.echo(code)
-    if code != "redriven":
+def redrive(ctx: click.Context, task_ids: tuple[str, ...], all_abandoned: bool) -> None:
+    """Put ABANDONED tasks back for a fresh set of takeovers: TASK_IDS, or --all-abandoned."""
+    app = _app(ctx)
+    _store(app)
+    ids = list(task_ids)
+    if all_abandoned:
+        ids += [state.task_id for state in control.abandoned(app, limit=100_000) if state.task_id not in ids]
+    if not ids:
+        if all_abandoned:
+            click.echo("no abandoned task")
+            return
+        raise click.UsageError("give TASK_IDS or --all-abandoned")
+    failed = 0
+    for task_id, code in control.redrive_many(app, ids).items():
+        if code == "redriven":
+            click.echo(f"{task_id}: redriven")
+            continue
+        failed += 1
+        why = "unknown (no lease)" if code == "missing" else f"not abandoned ({code})"
+        click.echo(f"Error: task {task_id} is {why}: nothing changed", err=True)
+    if failed:
         ctx.exit(1)
+
+
+#: Lease fields holding a time, in milliseconds since the epoch.
+def _is_time_field(name: str) -> bool:
+    return name.endswith("At")
+
+
+def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
+    """The lease hash with its values typed: whole numbers as ints, the call as an object."""
+    fields: dict[str, Any] = {}
+    for name, text in raw.items():
+        value: Any = text
+        if name == "call":
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = text
+        elif text.lstrip("-").isdigit():
+            value = int(text)
+        fields[name] = value
+    return fields
+
+
+def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
+    """A lease for people: one field per line, times as ISO dates with their age, the call as a block."""
+    lines = [f"task {task_id}"]
+    names = sorted(name for name in fields if name != "call")
+    width = max([len(name) for name in names], default=0)
+    for name in names:
+        value = fields[name]
+        if _is_time_field(name) and isinstance(value, int) and value > 0:
+            moment = datetime.fromtimestamp(value / 1000, tz=UTC)
+            age = (now_ms - value) / 1000
+            when = f"{abs(age):.1f}s ago" if age >= 0 else f"in {-age:.1f}s"
+            shown = f"{moment.isoformat(timespec='milliseconds').replace('+00:00', 'Z')} ({when})"
+        else:
+            shown = str(value) if value != "" else "-"
+        lines.append(f"  {name.ljust(width)}  {shown}")
+    call = fields.get("call")
+    if isinstance(call, Mapping):
+        lines.append("  call:")
+        lines.append(f"    {call.get('task') or fields.get('taskName', '')}(")
+        for arg in call.get("args") or ():
+            lines.append(f"      {arg!r},")
+        for key, arg in (call.get("kwargs") or {}).items():
+            lines.append(f"      {key}={arg!r},")
+        lines.append("    )")
+        for key, option in sorted((call.get("options") or {}).items()):
+            if option not in (None, "", [], {}):
+                lines.append(f"    {key}: {json.dumps(option, sort_keys=True, default=str)}")
+    elif call:
+        lines.append(f"  call: {call}")
+    return "\n".join(lines)
 
 
 @fenced.command()
@@ -162,7 +298,10 @@ class ClusterCollector:
         self.store = store
 
     def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        name = "owner_abandoned_tasks"
+        yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.abandoned_count()))
 
         counters: dict[str, dict[str, float]] = defaultdict(dict)
         histograms: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -200,63 +339,71 @@ def _parse_labels(text: str) -> dict[str, str]:
 
 @fenced.command()
 @click.option("--floor", default=1.0, show_default=True, type=float, help="Smallest deadline suggested, s.")
-@click.option("--factor", default=3.0, show_default=True, type=float, help="Safety factor over the P99.")
+@click.option("--factor", default=3.0, show_default=True, type=float, help="Safety factor over the quantile.")
+@click.option("--quantile", "q", default=0.99, show_default=True, type=float, help="Quantile of the gaps used.")
+@click.option("--min-samples", default=30, show_default=True, type=int, help="Fewer samples: no suggestion.")
 @click.pass_context
-def tune(ctx: click.Context, floor: float, factor: float) -> None:
-    """Suggest stage deadlines: max(floor, P99 × factor) of the observed stage durations."""
-    if floor <= 0 or factor < 1:
-        raise click.BadParameter("--floor must be > 0 and --factor >= 1")
+def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples: int) -> None:
+    """Suggest stage deadlines: max(floor, quantile × factor) of the longest gaps between progress calls.
+
+    A deadline bounds the longest gap between two progress calls of its stage, so that is
+    what is sampled (one sample per visit of a stage, the newest ones kept). A stage with
+    false takeovers (an old owner that finished soon after it was taken over) is never cut.
+    """
+    if floor <= 0 or factor < 1 or not 0 < q <= 1 or min_samples < 1:
+        raise click.BadParameter("--floor must be > 0, --factor >= 1, --quantile in (0, 1], --min-samples >= 1")
     app = _app(ctx)
     store = _store(app)
     policy = ensure_conf(app).policy
-    stages: dict[str, dict[str, float]] = defaultdict(dict)
     false_takeovers: dict[str, float] = defaultdict(float)
     for name, rest, value in read_totals(store):
-        labels, _, part = rest.partition("|")
-        parsed = _parse_labels(labels)
-        if name == "owner_stage_duration_seconds" and "stage" in parsed:
-            stages[parsed["stage"]][part] = value
-        elif name == "owner_false_takeover_total":
-            false_takeovers[parsed.get("stage", "")] += value
+        if name == "owner_false_takeover_total":
+            stage = _parse_labels(rest).get("stage", "")
+            false_takeovers[stage] += value
+    gaps = read_gaps(store)
+    stages = set(gaps) | {stage for stage, count in false_takeovers.items() if count}
     if not stages:
-        click.echo("no stage durations observed yet: run some tasks first")
+        click.echo("no stage samples yet: run some tasks first")
         return
-    suggestions: dict[str, float] = {}
-    table = []
-    for stage in sorted(stages):
-        parts = stages[stage]
-        count = parts.get("count", 0.0)
-        p99 = _quantile(parts, 0.99)
-        current = policy.stage_timeout(stage)
-        suggested = max(floor, p99 * factor)
-        if false_takeovers.get(stage):
-            suggested = max(suggested, current * factor)  # false takeovers: the deadline was too tight
-        suggested = math.ceil(suggested * 10) / 10
-        suggestions[stage] = suggested
-        table.append(
-            (
-                stage,
-                f"{int(count)}",
-                f"{p99:.3f}s",
-                f"{int(false_takeovers.get(stage, 0))}",
-                f"{current:g}s",
-                f"{suggested:g}s",
-            )
+    current = {stage: policy.stage_timeout(stage or None) for stage in stages}
+    suggestions = suggest(gaps, false_takeovers, current, floor=floor, factor=factor, q=q, min_samples=min_samples)
+    table = [
+        (
+            s.stage or "(none)",
+            str(s.samples),
+            _seconds(s.gap_quantile),
+            _seconds(s.longest_gap),
+            str(s.false_takeovers),
+            f"{s.current:g}s",
+            "-" if s.suggested is None or not (s.enough or s.false_takeovers) else f"{s.suggested:g}s",
+            s.note,
         )
-    _print_table(("STAGE", "SAMPLES", "P99", "FALSE TAKEOVERS", "CURRENT", "SUGGESTED"), table)
-    click.echo(f"fenced_stage_timeouts = {json.dumps(suggestions)}")
-
-
-def _quantile(parts: dict[str, float], q: float) -> float:
-    """The upper bound of the histogram bucket holding quantile ``q`` (a safe over-estimate)."""
-    count = parts.get("count", 0.0)
-    if not count:
-        return 0.0
-    target = q * count
-    for bound in BUCKETS:
-        if parts.get(f"bucket|{bound}", 0.0) >= target:
-            return float(bound)
-    return float(BUCKETS[-1]) * 2
+        for s in suggestions
+    ]
+    headers = (
+        "STAGE",
+        "SAMPLES",
+        f"P{q * 100:g} GAP",
+        "LONGEST GAP",
+        "FALSE TAKEOVERS",
+        "CURRENT",
+        "SUGGESTED",
+        "NOTE",
+    )
+    _print_table(headers, table)
+    for s in suggestions:
+        if s.samples and not s.enough:
+            click.echo(
+                f"warning: stage {s.stage!r} has {s.samples} sample(s), fewer than {min_samples}: no suggestion "
+                "(run more tasks, or lower --min-samples)",
+                err=True,
+            )
+    chosen = {
+        s.stage: s.suggested
+        for s in suggestions
+        if s.stage and s.suggested is not None and (s.enough or s.false_takeovers)
+    }
+    click.echo(f"fenced_stage_timeouts = {json.dumps(chosen)}")
 
 
 @fenced.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -15,7 +15,7 @@ from celery.exceptions import TaskRevokedError
 from .lease import LeaseState
 from .reaper import request_reap
 
-__all__ = ["cancel", "inspect", "redrive"]
+__all__ = ["abandoned", "cancel", "inspect", "redrive", "redrive_many"]
 
 logger = logging.getLogger("celery_fenced.control")
 
@@ -27,15 +27,19 @@ def _backend(app: Celery):  # type: ignore[no-untyped-def]
     return backend
 
 
-def cancel(app: Celery, task_id: str, reason: str = "cancelled") -> str:
+def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too: bool = False) -> str:
     """End a task for good: a fenced REVOKED result with a fresh token.
 
     The running owner learns it at its next renewal (its next ``progress()`` then raises
     ``LeaseLostError``; with ``fenced_interrupt_on_loss`` the body is interrupted), every
     later write of it is refused, and no later delivery runs the task.
 
+    A task id with neither lease nor result is unknown (a typo, or a task that never ran)
+    and nothing is stored for it, unless ``unknown_too``: a task still waiting in the queue
+    has neither either, and is cancelled before it starts.
+
     Returns:
-        ``"cancelled"``, or ``"finished"`` when the task had already ended.
+        ``"cancelled"``, ``"finished"`` when the task had already ended, or ``"unknown"``.
     """
     backend = _backend(app)
 
@@ -43,11 +47,12 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled") -> str:
         return backend.encoded_meta(task_id, TaskRevokedError(reason), states.REVOKED, token)
 
     expires_ms = backend._expires_ms(states.REVOKED)
-    code = backend.lease_store.cancel(task_id, revoked_meta, expires_ms=expires_ms)
+    store = backend.lease_store
+    code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     if code == "retry-later":  # a token was taken between reserve and script: take another
-        code = backend.lease_store.cancel(task_id, revoked_meta, expires_ms=expires_ms)
-    logger.warning("cancel of task %s: %s", task_id, code)
+        code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     if code == "cancelled":
+        logger.warning("task %s cancelled", task_id)
         # A chord member's part is counted, as Celery counts a revoked one.
         state = backend.lease_store.read(task_id)
         call = state.call if state is not None else None
@@ -61,11 +66,28 @@ def redrive(app: Celery, task_id: str) -> str:
     Returns:
         ``"redriven"``, ``"not-abandoned"`` or ``"missing"``.
     """
-    code = _backend(app).lease_store.redrive(task_id)
-    if code == "redriven":
+    return redrive_many(app, [task_id])[task_id]
+
+
+def redrive_many(app: Celery, task_ids: list[str]) -> dict[str, str]:
+    """:func:`redrive` for several tasks, with one reap message for all of them."""
+    store = _backend(app).lease_store
+    codes = {task_id: str(store.redrive(task_id)) for task_id in task_ids}
+    redriven = [task_id for task_id, code in codes.items() if code == "redriven"]
+    for task_id in redriven:
         logger.warning("redrive of task %s: due for a takeover now", task_id)
+    if redriven:
         request_reap(app)
-    return str(code)
+    return codes
+
+
+def abandoned(app: Celery, limit: int = 1000) -> list[LeaseState]:
+    """The dead letters: tasks whose takeovers ran out (``ABANDONED``), oldest first."""
+    store = _backend(app).lease_store
+    task_ids = store.abandoned_task_ids(limit)
+    states = [state for state in store.read_many(task_ids) if state.status == "ABANDONED"]
+    store.forget_abandoned(set(task_ids) - {state.task_id for state in states})
+    return states
 
 
 def inspect(app: Celery, task_id: str) -> LeaseState | None:

@@ -8,6 +8,8 @@ lease and the result always share a Redis Cluster slot::
     <prefix>:token                                   the global fencing-token counter
     <prefix>:leases                                  sorted set: lease key -> next due time (ms)
     <prefix>:metrics                                 hash: cluster-wide metric totals
+    <prefix>:gaps                                    hash: stage -> newest longest-gap samples
+    <prefix>:abandoned                               sorted set: abandoned lease key -> time (ms)
 
 Celery's ``result_backend_transport_options['global_keyprefix']`` is put in front of all
 of them, as Celery puts it in front of the result key.
@@ -49,6 +51,16 @@ class KeySpace:
     def index(self) -> str:
         """The sorted set of leases by the time the reaper should look at them next."""
         return f"{self.prefix}:leases"
+
+    @property
+    def gaps(self) -> str:
+        """Per stage, the newest samples of the longest gap between progress calls (for ``tune``)."""
+        return f"{self.prefix}:gaps"
+
+    @property
+    def abandoned(self) -> str:
+        """The dead letters: abandoned leases by the time they were abandoned."""
+        return f"{self.prefix}:abandoned"
 
     @property
     def metrics(self) -> str:

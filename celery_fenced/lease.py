@@ -48,7 +48,7 @@ _SIMPLE_CODES = {
     "release": frozenset({"ok", "stale-token", "not-owner", "finished", "missing"}),
     "store": frozenset({"stored", "stale", "finished", "lapsed", "foreign", "sticky"}),
     "claim": frozenset({"requeued", "abandoned", "not-due", "waiting", "finished", "missing", "retry-later"}),
-    "cancel": frozenset({"cancelled", "finished", "retry-later"}),
+    "cancel": frozenset({"cancelled", "finished", "unknown", "retry-later"}),
     "redrive": frozenset({"redriven", "not-abandoned", "missing"}),
     "expire": frozenset({"expired", "not-live", "missing"}),
     "restore": frozenset({"restored", "exists"}),
@@ -295,7 +295,7 @@ class LeaseStore:
         pipe = self.client.pipeline(transaction=False)
         for offset, task_id in enumerate(task_ids):
             token = first + offset
-            keys = [self.keys.lease(task_id), self.keys.result(task_id), self.keys.index]
+            keys = [self.keys.lease(task_id), self.keys.result(task_id), self.keys.index, self.keys.abandoned]
             args = [grace_ms, requeue_ms, token, abandoned_meta(task_id, token), max(0, expires_ms)]
             self.scripts.claim(keys=keys, args=args, client=pipe)
         answers = pipe.execute()
@@ -306,15 +306,20 @@ class LeaseStore:
             results.append(ClaimResult(task_id, checked, as_text(cause), state))
         return results
 
-    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int) -> str:
-        """End a task for good; ``revoked_meta(token)`` encodes its REVOKED meta."""
+    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int, unknown_too: bool = False) -> str:
+        """End a task for good; ``revoked_meta(token)`` encodes its REVOKED meta.
+
+        A task id with neither lease nor result is ``"unknown"`` and nothing is stored,
+        unless ``unknown_too`` (for a task still waiting in the queue).
+        """
         keys = [
             self.keys.lease(_require_task_id(task_id)),
             self.keys.result(task_id),
             self.keys.index,
         ]
         token = self.reserve_tokens(1)
-        answer = self.scripts.cancel(keys=keys, args=[token, revoked_meta(token), max(0, expires_ms)])
+        args = [token, revoked_meta(token), max(0, expires_ms), "1" if unknown_too else "0"]
+        answer = self.scripts.cancel(keys=keys, args=args)
         return _checked("cancel", answer[0])
 
     def redrive(self, task_id: str) -> str:
@@ -323,6 +328,7 @@ class LeaseStore:
             self.keys.lease(_require_task_id(task_id)),
             self.keys.result(task_id),
             self.keys.index,
+            self.keys.abandoned,
         ]
         return _checked("redrive", self.scripts.redrive(keys=keys, args=[])[0])
 
@@ -360,7 +366,27 @@ class LeaseStore:
 
     def indexed_task_ids(self, limit: int = 1000) -> list[str]:
         """Task ids in the expiry index, soonest due first (live, lapsed and requeued ones)."""
-        members = self.client.zrange(self.keys.index, 0, max(0, limit - 1))
+        return self._task_ids(self.client.zrange(self.keys.index, 0, max(0, limit - 1)))
+
+    def abandoned_task_ids(self, limit: int = 1000) -> list[str]:
+        """Task ids of the dead letters (ABANDONED), oldest first.
+
+        A dead letter whose lease expired with its result is still listed here until
+        :meth:`read_many` finds it gone; :meth:`forget_abandoned` then drops it.
+        """
+        return self._task_ids(self.client.zrange(self.keys.abandoned, 0, max(0, limit - 1)))
+
+    def abandoned_count(self) -> int:
+        """How many dead letters there are (expired ones not yet forgotten included)."""
+        return int(self.client.zcard(self.keys.abandoned))
+
+    def forget_abandoned(self, task_ids: Iterable[str]) -> None:
+        """Drop dead letters whose lease is gone (it expired with the abandoned result)."""
+        members = [self.keys.lease(task_id) for task_id in task_ids]
+        if members:
+            self.client.zrem(self.keys.abandoned, *members)
+
+    def _task_ids(self, members: Iterable[Any]) -> list[str]:
         ids = []
         for member in members:
             try:

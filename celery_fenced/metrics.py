@@ -10,6 +10,7 @@ Prometheus, so prefork children that come and go lose nothing.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from bisect import bisect_left
@@ -20,10 +21,14 @@ from typing import Any
 __all__ = [
     "BUCKETS",
     "COUNTERS",
+    "GAUGES",
     "HISTOGRAMS",
     "MetricsBuffer",
     "buffer",
     "count_lease_activity",
+    "gap_bucket",
+    "gap_bucket_middle",
+    "read_gaps",
     "read_totals",
 ]
 
@@ -40,6 +45,11 @@ COUNTERS: Mapping[str, str] = {
     "owner_fencing_rejected_total": "Writes refused because a newer token owned the task.",
     "owner_false_takeover_total": "Takeovers whose old owner later tried to store a SUCCESS (deadline too tight).",
     "owner_stream_idle_timeout_total": "Streams that went quiet for longer than their idle timeout.",
+}
+
+#: Gauges, read from the lease store at each scrape (not counted by the processes).
+GAUGES: Mapping[str, str] = {
+    "owner_abandoned_tasks": "Tasks abandoned after max_takeovers and not redriven (the dead letters).",
 }
 
 #: Histogram names and their help text.
@@ -81,6 +91,9 @@ class MetricsBuffer:
         # Histograms: per series, the count of each bucket alone (made cumulative by take()),
         # so that an observation is one bisect and one increment.
         self._observed: dict[str, list[float]] = {}
+        # Per stage, how many stage visits had their longest gap between progress calls in
+        # each bucket of the fine gap histogram, since the last flush.
+        self._gaps: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         """Add to a counter."""
@@ -103,6 +116,18 @@ class MetricsBuffer:
             series[slot] += 1
             series[-2] += value
             series[-1] += 1
+
+    def sample_gap(self, stage: str, seconds: float) -> None:
+        """Record the longest gap between progress calls of one visit of ``stage``."""
+        index = gap_bucket(seconds)
+        with self._lock:
+            self._gaps[stage][index] += 1
+
+    def take_gaps(self) -> dict[str, dict[int, int]]:
+        """Take the pending gap counts, per stage and bucket (they are gone from the buffer)."""
+        with self._lock:
+            gaps, self._gaps = self._gaps, defaultdict(lambda: defaultdict(int))
+        return {stage: dict(counts) for stage, counts in gaps.items()}
 
     def take(self) -> dict[str, float]:
         """Take the pending deltas (they are gone from the buffer)."""
@@ -128,11 +153,25 @@ class MetricsBuffer:
                 self._deltas[key] += value
 
     def flush(self, store: Any) -> None:
-        """Add the pending deltas to the cluster totals (one script call); keep them on error."""
+        """Add the pending deltas to the cluster totals (one script call); keep them on error.
+
+        Gap counts, when there are any, go in a second call; they are dropped on error
+        (they are samples: the next ones take their place).
+        """
+        gaps = self.take_gaps() if self._gaps else {}
+        if gaps:
+            args: list[Any] = [MAX_GAP_FIELDS]
+            for stage, counts in gaps.items():
+                for index, count in counts.items():
+                    args += [f"{stage}|{index}", count]
+            try:
+                store.scripts.gaps(keys=[store.keys.gaps], args=args)
+            except Exception as exc:
+                logger.debug("gap samples dropped (%r)", exc)
         deltas = self.take()
         if not deltas:
             return
-        args: list[Any] = [MAX_METRIC_FIELDS]
+        args = [MAX_METRIC_FIELDS]
         for key, value in deltas.items():
             args += [key, repr(float(value))]
         try:
@@ -145,6 +184,30 @@ class MetricsBuffer:
 #: The most fields the cluster's metrics hash grows to: new stage series beyond it are
 #: counted under the stage "other" (stage names come from task code and may be dynamic).
 MAX_METRIC_FIELDS = 4096
+
+#: The fine histogram of gaps: bucket ``i`` holds gaps in ``[GAP_MIN·R^i, GAP_MIN·R^(i+1))``
+#: with ``R = GAP_RATIO``, so a quantile read from it is within 1 % of the sampled one
+#: (its bucket's geometric middle). Gaps below ``GAP_MIN`` seconds fall in bucket 0.
+GAP_MIN = 0.001
+GAP_RATIO = 1.02
+_LOG_RATIO = math.log(GAP_RATIO)
+
+#: The most fields the gap histograms grow to (about 900 buckets span 1 ms to a day); new
+#: stages beyond it are counted under the stage "other".
+MAX_GAP_FIELDS = 65536
+
+
+def gap_bucket(seconds: float) -> int:
+    """The fine-histogram bucket of a gap of ``seconds``."""
+    if seconds <= GAP_MIN:
+        return 0
+    return int(math.log(seconds / GAP_MIN) / _LOG_RATIO)
+
+
+def gap_bucket_middle(index: int) -> float:
+    """The geometric middle of bucket ``index``, seconds: what a quantile in it reads as."""
+    return GAP_MIN * GAP_RATIO ** (index + 0.5)
+
 
 #: This process's buffer.
 buffer = MetricsBuffer()
@@ -163,11 +226,25 @@ def count_lease_activity(lease: Any, *, ended: bool = False) -> None:
     finished = lease.take_stage_log() if lease.stage_log else []
     if ended and lease.stage is not None:
         now = time.monotonic()
-        finished.append((lease.stage, now - lease.stage_started))
+        finished.append((lease.stage, now - lease.stage_started, max(lease.stage_gap, now - lease.last_progress)))
         lease.stage_started = now
-    for stage, seconds in finished:
+        lease.stage_gap = 0.0
+    sample = lease.lost_reason is None  # a lost owner's last gap is its stall, not a sample
+    for stage, seconds, gap in finished:
         if stage is not None:
             buffer.observe("owner_stage_duration_seconds", seconds, stage=stage)
+            if sample:
+                buffer.sample_gap(stage, gap)
+
+
+def read_gaps(store: Any) -> dict[str, dict[int, int]]:
+    """Per stage, the cluster's fine gap histogram: ``{stage: {bucket: count}}``."""
+    gaps: dict[str, dict[int, int]] = defaultdict(dict)
+    for raw_field, raw_count in store.client.hgetall(store.keys.gaps).items():
+        field = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+        stage, _, index = field.rpartition("|")
+        gaps[stage][int(index)] = int(raw_count)
+    return dict(gaps)
 
 
 def read_totals(store: Any) -> Iterator[tuple[str, str, float]]:

@@ -126,7 +126,8 @@ class OwnedLease:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     expiry_window: float = 0.0
     stage_started: float = field(default_factory=time.monotonic)
-    stage_log: list[tuple[str | None, float]] = field(default_factory=list, repr=False)
+    stage_gap: float = 0.0
+    stage_log: list[tuple[str | None, float, float]] = field(default_factory=list, repr=False)
     counted_version: int = 0
 
     def __post_init__(self) -> None:
@@ -143,15 +144,20 @@ class OwnedLease:
         if details:
             check_details(details)
             self.details = details
+        gap = now - self.last_progress  # bounded by the deadline of the stage it ends
+        if gap > self.stage_gap:
+            self.stage_gap = gap
         if stage is not None:
             try:
                 normal = _stage_names[stage]
             except KeyError:
                 normal = _stage(stage)
             if normal != self.stage:
-                # A stage change: keep the finished stage's duration for the heartbeat.
-                self.stage_log.append((self.stage, now - self.stage_started))
+                # A stage change: keep the finished stage's duration and longest gap between
+                # progress calls for the heartbeat.
+                self.stage_log.append((self.stage, now - self.stage_started, self.stage_gap))
                 self.stage_started = now
+                self.stage_gap = 0.0
                 self.stage = normal
         self.version += 1
         self.last_progress = now
@@ -174,8 +180,12 @@ class OwnedLease:
 
     # -- the heartbeat's side -------------------------------------------------------------
 
-    def take_stage_log(self) -> list[tuple[str | None, float]]:
-        """The durations of stages finished since the last call: ``[(stage, seconds), …]``."""
+    def take_stage_log(self) -> list[tuple[str | None, float, float]]:
+        """Stages finished since the last call: ``[(stage, seconds in it, longest gap), …]``.
+
+        The longest gap is the longest time between two progress calls while the stage was
+        current: what its deadline bounds.
+        """
         log, self.stage_log = self.stage_log, []
         return log
 

@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "cancel",
     "redrive",
     "metrics",
+    "gaps",
     "fenced_write",
     "expire",
     "restore",
@@ -53,5 +54,6 @@ class ScriptSet:
         self.cancel: Script = client.register_script(script_source("cancel"))
         self.redrive: Script = client.register_script(script_source("redrive"))
         self.metrics: Script = client.register_script(script_source("metrics"))
+        self.gaps: Script = client.register_script(script_source("gaps"))
         self.expire: Script = client.register_script(script_source("expire"))
         self.restore: Script = client.register_script(script_source("restore"))

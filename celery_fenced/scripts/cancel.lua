@@ -10,8 +10,11 @@
 -- ARGV[1]  a fresh token reserved for the cancel
 -- ARGV[2]  encoded REVOKED meta carrying that token as fence_token
 -- ARGV[3]  result expiry, ms (0: none)
+-- ARGV[4]  "1": cancel a task id with neither lease nor result (one still waiting in the
+--          queue has neither); "0": such an id is unknown, and nothing is stored
 --
--- Returns {code, previous status}: "cancelled" | "finished" (already DONE or ABANDONED) |
+-- Returns {code, previous status}: "cancelled" | "finished" (already DONE or ABANDONED, or
+--   a result stored and its lease gone) | "unknown" (no lease, no result, ARGV[4] "0") |
 --   "retry-later" (the reserved token is not newer than the lease's)
 redis.replicate_commands()
 local t = redis.call('TIME')
@@ -20,6 +23,14 @@ local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken')
 local status = cur[1] or ''
 if status == 'DONE' or status == 'ABANDONED' then
   return {'finished', status}
+end
+if status == '' then
+  if redis.call('EXISTS', KEYS[2]) == 1 then
+    return {'finished', 'result'}
+  end
+  if ARGV[4] ~= '1' then
+    return {'unknown', ''}
+  end
 end
 if tonumber(ARGV[1]) <= tonumber(cur[2] or '0') then
   return {'retry-later', status}

@@ -7,6 +7,7 @@
 -- KEYS[1]  lease hash
 -- KEYS[2]  Celery's result key
 -- KEYS[3]  expiry index
+-- KEYS[4]  dead letters: sorted set of abandoned lease keys by the time they were abandoned
 -- ARGV[1]  takeover grace, ms (added to the expiry of RUNNING, STALLED and LAPSED leases)
 -- ARGV[2]  requeue timeout, ms (a REQUEUED task not acquired by then is due again)
 -- ARGV[3]  a fresh token reserved for this claim, used only if the task is abandoned
@@ -100,6 +101,7 @@ if takeovers > max_takeovers then
   end
   redis.call('PUBLISH', KEYS[2], meta)
   redis.call('ZREM', KEYS[3], KEYS[1])
+  redis.call('ZADD', KEYS[4], now, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'ABANDONED', 'ownerToken', token, 'ownerId', '',
     'leaseExpireAt', now, 'finishedAt', now, 'abandonCause', cause)
   return {'abandoned', cause, redis.call('HGETALL', KEYS[1])}

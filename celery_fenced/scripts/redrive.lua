@@ -6,6 +6,7 @@
 -- KEYS[1]  lease hash
 -- KEYS[2]  Celery's result key
 -- KEYS[3]  expiry index
+-- KEYS[4]  dead letters (the task leaves them)
 --
 -- Returns {code, previous status}: "redriven" | "not-abandoned" | "missing"
 redis.replicate_commands()
@@ -13,11 +14,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
+  redis.call('ZREM', KEYS[4], KEYS[1])
   return {'missing', ''}
 end
 if status ~= 'ABANDONED' then
   return {'not-abandoned', status}
 end
+redis.call('ZREM', KEYS[4], KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now, KEYS[1])

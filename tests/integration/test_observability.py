@@ -53,19 +53,30 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     assert "RUNNING" in row and "load-data" in row and "w1@" in row
     [as_json] = [json.loads(line) for line in cluster.cli("status", "--json").stdout.splitlines()]
     assert as_json["task_id"] == result.id and as_json["token"] == 1 and as_json["seconds_left"] > 0
-    inspected = json.loads(cluster.cli("inspect", result.id).stdout)
-    assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == "1"
-    assert cluster.cli("inspect", "no-such-task").returncode != 0
-    assert cluster.cli("cancel", result.id).stdout.strip() == "cancelled"
-    wait_until(lambda: json.loads(cluster.cli("inspect", result.id).stdout)["status"] == "DONE", 10, "DONE")
+    inspected = json.loads(cluster.cli("inspect", "--json", result.id).stdout)
+    assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == 1
+    assert inspected["call"]["task"] == "tests.integration.apps.fenced_app.progress_until_told"
+    readable = cluster.cli("inspect", result.id).stdout
+    assert re.search(r"^  ownerToken +1$", readable, re.M), readable
+    assert re.search(r"^  lastProgressAt +20\d\d-\d\d-\d\dT[0-9:.]+Z \(\d+\.\ds ago\)$", readable, re.M), readable
+    assert "  call:\n    tests.integration.apps.fenced_app.progress_until_told(\n    )" in readable, readable
+    assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
+    wait_until(lambda: json.loads(cluster.cli("inspect", "--json", result.id).stdout)["status"] == "DONE", 10, "DONE")
     assert cluster.cli("redrive", result.id).returncode == 1  # not abandoned
     for _ in range(3):
-        app.steady.delay(2, 0.1).get(timeout=15)
-    tune = cluster.cli("tune", "--floor", "0.5", "--factor", "2")
+        app.steady.delay(5, 0.3).get(timeout=15)  # 1.5 s in load-data, 0.3 s between progress calls
+    tune = cluster.cli("tune", "--floor", "0.1", "--factor", "2", "--min-samples", "3")
     assert tune.returncode == 0, tune.stderr
-    assert "load-data" in tune.stdout and "SUGGESTED" in tune.stdout
+    header, row = tune.stdout.splitlines()[0], next(r for r in tune.stdout.splitlines() if r.startswith("load-data"))
+    assert "SAMPLES" in header and "P99 GAP" in header and "SUGGESTED" in header
+    assert row.split()[1] == "3", row  # three runs, one visit of the stage each
+    gap = float(row.split()[2].rstrip("s"))
+    assert 0.3 <= gap < 0.6, row  # the longest gap between progress calls, not the 1.5 s in the stage
     suggested = json.loads(tune.stdout.strip().splitlines()[-1].split("=", 1)[1])
-    assert suggested["load-data"] >= 0.5
+    assert suggested["load-data"] == pytest.approx(2 * gap, abs=0.1)
+    few = cluster.cli("tune", "--min-samples", "30")
+    assert "warning: stage 'load-data' has 3 sample(s), fewer than 30: no suggestion" in few.stderr
+    assert few.stdout.strip().splitlines()[-1] == "fenced_stage_timeouts = {}"
 
 
 def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> None:
@@ -85,7 +96,7 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
     assert value(text, 'owner_takeover_total{cause="stalled"}') == 1
     assert value(text, 'owner_takeover_total{cause="gone"}') == 0
     assert value(text, "owner_fencing_rejected_total") == 1
-    assert value(text, "owner_false_takeover_total") == 1
+    assert value(text, 'owner_false_takeover_total{stage="load-data"}') == 1
     assert value(text, "owner_no_progress_timeout_total") == 1
     assert value(text, "owner_lease_renew_total") >= 1
     assert value(text, "owner_heartbeat_total") >= 1

@@ -665,15 +665,22 @@ def test_cancel_fences_the_owner_and_stops_later_deliveries(store: LeaseStore, r
     assert store.renew_many([renew_req(state)]) == ["finished"]
     assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.DONE
     assert store.cancel("t1", lambda token: b"x", expires_ms=0) == "finished"
-    assert store.cancel("never-started", lambda token: b"r", expires_ms=0) == "cancelled"
+    assert store.cancel("never-started", lambda token: b"r", expires_ms=0) == "unknown"
+    assert store.read("never-started") is None and redis_client.get(store.keys.result("never-started")) is None
+    assert store.cancel("never-started", lambda token: b"r", expires_ms=0, unknown_too=True) == "cancelled"
     assert acquire(store, task_id="never-started").outcome is AcquireOutcome.DONE
+    redis_client.set(store.keys.result("lease-expired"), b"SUCCESS meta")
+    assert store.cancel("lease-expired", lambda token: b"r", expires_ms=0) == "finished"
+    assert redis_client.get(store.keys.result("lease-expired")) == b"SUCCESS meta"
 
 
 def test_redrive_puts_an_abandoned_task_back(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store, max_takeovers=0).state
     store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
     assert claim(store, "t1")[0].code == "abandoned"
+    assert store.abandoned_task_ids() == ["t1"] and store.abandoned_count() == 1
     assert store.redrive("t1") == "redriven"
+    assert store.abandoned_task_ids() == [] and store.abandoned_count() == 0
     assert redis_client.get(store.keys.result("t1")) is None
     [result] = claim(store, "t1")
     assert result.code == "abandoned"  # max_takeovers=0 still: the policy is the task's

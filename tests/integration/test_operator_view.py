@@ -1,0 +1,127 @@
+"""What an operator sees and types: dead letters, unknown ids, bad settings, one line each.
+
+Every command runs as a user runs it (``celery -A app …`` in its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from port_for import get_port
+
+from celery_fenced.cli import ClusterCollector
+from tests.integration.conftest import APP, KEYS, Cluster, lease, stored
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def abandoned_gauge(cluster: Cluster) -> float:
+    app = cluster.app().app
+    [family] = [f for f in ClusterCollector(app.backend.lease_store).collect() if f.name == "owner_abandoned_tasks"]
+    return float(family.samples[0].value)
+
+
+def test_dead_letters_are_listed_counted_and_redriven_at_once(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, fenced_max_takeovers=0)
+    results = [app.zombie_once.delay(f"dl{i}") for i in range(2)]
+    for result in results:
+        wait_until(lambda r=result: lease(cluster, r.id).get("status") == "ABANDONED", 20, "ABANDONED")
+        cluster.wake(result.id)
+    ids = {result.id for result in results}
+    assert not ids & set(cluster.cli("status").stdout.split())  # not live
+    listed = cluster.cli("status", "--state", "abandoned")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if line.split()[:1] and line.split()[0] in ids]
+    assert len(rows) == 2 and all(" ABANDONED " in row for row in rows)
+    assert listed.stdout.strip().endswith("2 lease(s)")
+    as_json = [json.loads(line) for line in cluster.cli("status", "--state", "ABANDONED", "--json").stdout.splitlines()]
+    assert {row["task_id"] for row in as_json} == ids and all(row["status"] == "ABANDONED" for row in as_json)
+    assert set(cluster.cli("status", "--all").stdout.split()) >= ids
+    assert abandoned_gauge(cluster) == 2
+    for result in results:
+        cluster.results.hset(KEYS.lease(result.id), "maxTakeovers", 3)  # the operator raised the limit
+    redriven = cluster.cli("redrive", "--all-abandoned")
+    assert redriven.returncode == 0, redriven.stderr
+    assert sorted(redriven.stdout.split()) == sorted([f"{i}:" for i in ids] + ["redriven"] * 2)
+    for result in results:
+        assert result.get(timeout=20).startswith("owner ")
+    assert cluster.cli("status", "--state", "ABANDONED").stdout.strip().endswith("0 lease(s)")
+    assert abandoned_gauge(cluster) == 0
+
+
+@pytest.mark.parametrize("command", ["cancel", "redrive", "inspect"])
+def test_an_unknown_task_id_is_an_error_that_stores_nothing(cluster: Cluster, command: str) -> None:
+    cluster.app()
+    done = cluster.cli(command, "no-such-task")
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-task" in lines[0] and lines[0].startswith("Error: "), done.stderr
+    assert cluster.results.keys("*no-such-task*") == []
+
+
+def test_cancel_force_cancels_a_task_before_it_starts(cluster: Cluster) -> None:
+    app = cluster.app()
+    task_id = "queued-not-started"
+    assert cluster.cli("cancel", "--force", task_id).stdout.strip() == f"{task_id}: cancelled"
+    cluster.worker("w1", concurrency=1)
+    result = app.steady.apply_async((1, 0.0), task_id=task_id)
+    with pytest.raises(Exception, match="cancelled"):
+        result.get(timeout=15)
+    assert stored(cluster, task_id)["status"] == "REVOKED"  # type: ignore[index]
+    assert cluster.runs(task_id) == []
+
+
+def run_celery(cluster: Cluster, argv: list[str], timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``celery -A app ARGV`` to its end (a bad setting must end it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, *argv],
+        env={**cluster.env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv", [["worker", "-P", "solo", "-l", "INFO"], ["beat", "-l", "INFO", "-s", "/dev/null"], ["fenced", "status"]]
+)
+def test_a_bad_setting_stops_worker_beat_and_cli_with_one_line(cluster: Cluster, argv: list[str]) -> None:
+    cluster.settings = {"fenced_on_stall": "relase"}
+    done = run_celery(cluster, argv)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "Traceback" not in output, output
+    [line] = [line for line in output.splitlines() if "relase" in line]
+    assert "fenced_on_stall must be one of release, expire, alert; got 'relase'" in line
+    assert len(output.splitlines()) < 20, output
+
+
+@pytest.mark.parametrize("argv", [["worker", "-P", "solo"], ["fenced", "status"]])
+def test_a_fenced_url_that_is_not_redis_is_refused(cluster: Cluster, argv: list[str]) -> None:
+    done = run_celery(cluster, argv, FENCED_TEST_BACKEND_URL="fenced+amqp://127.0.0.1:5672/3")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in output, output
+    [line] = [line for line in output.splitlines() if "fenced+amqp" in line]
+    assert "is not a Redis URL" in line and "fenced+redis://" in line
+
+
+def test_misspelled_settings_and_stages_are_warned_with_the_nearest_name(cluster: Cluster) -> None:
+    cluster.settings = {"fenced_stage_timeout": {"load-data": 5}}
+    worker = cluster.worker("w1", concurrency=1)
+    assert "unknown setting fenced_stage_timeout: celery-fenced has no such setting (did you mean " in worker.log()
+    assert "fenced_stage_timeouts?)" in worker.log()
+    status = cluster.cli("status")
+    assert "did you mean fenced_stage_timeouts?" in status.stderr
+
+
+def test_a_worker_that_cannot_reach_its_lease_redis_says_so(cluster: Cluster) -> None:
+    port = get_port(None)
+    unreachable = f"fenced+redis://127.0.0.1:{port}/1"
+    log = cluster.worker("w1", concurrency=1, environ={"FENCED_TEST_BACKEND_URL": unreachable}).log()
+    assert f"the lease Redis redis://127.0.0.1:{port}/1 cannot be reached" in log
+    assert log.index("cannot be reached") < log.index(" ready.")

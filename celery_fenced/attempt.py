@@ -35,6 +35,7 @@ from .hooks import WorkerHooks, send_lease_event
 from .lease import LeaseStatus
 from .metrics import count_lease_activity
 from .owner import OwnedLease, current_lease, set_current_lease
+from .state import ReleaseOutcome
 
 __all__ = ["acquire", "heartbeat_for", "release", "stop_heartbeats"]
 
@@ -157,7 +158,8 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
     store = task.backend.lease_store
     code = task.backend.retrying(partial(store.hand_off, lease.task_id, lease.owner_id, lease.token))
-    if code not in ("ok", "missing"):  # "missing": gone already (or asked twice): pass it on all the same
+    # MISSING: gone already (or asked twice): pass it on all the same.
+    if code not in (ReleaseOutcome.OK, ReleaseOutcome.MISSING):
         _lost_on_end(lease, code, "hand-off to the replacement")
     logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
 
@@ -182,7 +184,7 @@ def retry_due(task: Any, lease: OwnedLease, delay: float) -> None:
         due_in_ms=due_ms,
     )
     code = task.backend.retrying(release_once)
-    if code != "ok":
+    if code != ReleaseOutcome.OK:
         _lost_on_end(lease, code, "retry")
     lease.retrying = True
 

@@ -27,14 +27,14 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 from kombu.utils.encoding import bytes_to_str
 
-from . import events, reaper, signals
+from . import events, metrics, reaper, signals
 from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
 from .lease import LeaseStore, StoreResult
-from .metrics import buffer as metrics
 from .metrics import count_lease_activity
 from .owner import OwnedLease
+from .state import StoreOutcome
 
 __all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
 
@@ -200,20 +200,20 @@ class FencedRedisBackend(RedisBackend):
 
     def _after_store(self, task_id: str, state: str, owned: OwnedLease | None, outcome: StoreResult) -> None:
         code = outcome.code
-        if code == "stored":
+        if code == StoreOutcome.STORED:
             if owned is not None and outcome.detail in ("DONE", "RETRYING") and not owned.ended:
                 owned.ended = True
                 count_lease_activity(owned, ended=True)
                 if state == states.SUCCESS:
-                    metrics.observe("owner_task_total_duration_seconds", time.monotonic() - owned.started)
+                    metrics.buffer.observe("owner_task_total_duration_seconds", time.monotonic() - owned.started)
             return
         name = owned.task_name if owned is not None else None
-        if code == "stale" and owned is not None and owned.retrying and state == states.RETRY:
+        if code == StoreOutcome.STALE and owned is not None and owned.retrying and state == states.RETRY:
             # The retry message was acquired before this RETRY write: the retry's new owner
             # holds the task now, and its STARTED must not be overwritten.
             logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, outcome.detail)
             return
-        if code == "stale":
+        if code == StoreOutcome.STALE:
             current = int(outcome.detail) if outcome.detail.isdigit() else None
             logger.warning(
                 "stale write dropped: task %s[%s] state=%s stage=%s token=%s current token=%s",
@@ -232,16 +232,16 @@ class FencedRedisBackend(RedisBackend):
                 current_token=current,
                 state=state,
             )
-        elif code == "lapsed":
+        elif code == StoreOutcome.LAPSED:
             logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
             reaper.request_reap(self.app)
         else:
             logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, outcome.detail)
 
     def _count_stale_write(self, task_id: str, state: str, owned: OwnedLease | None, current: int | None) -> None:
-        metrics.inc("owner_fencing_rejected_total")
+        metrics.buffer.inc("owner_fencing_rejected_total")
         if owned is None:
-            metrics.flush(self.lease_store)
+            metrics.buffer.flush(self.lease_store)
             return
         owned.mark_lost("fenced: a newer token owns the task")
         if state == states.SUCCESS:
@@ -255,8 +255,8 @@ class FencedRedisBackend(RedisBackend):
                 and "cancelledAt" not in lease.raw
                 and elapsed <= allowed * FALSE_TAKEOVER_FACTOR
             ):
-                metrics.inc("owner_false_takeover_total", stage=owned.stage or "")
-        metrics.flush(self.lease_store)
+                metrics.buffer.inc("owner_false_takeover_total", stage=owned.stage or "")
+        metrics.buffer.flush(self.lease_store)
         events.send(
             self.app,
             "task-fenced",

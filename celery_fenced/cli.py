@@ -22,6 +22,7 @@ from . import control
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
 from .metrics import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, read_gaps, read_totals
+from .state import CancelOutcome, RedriveOutcome
 from .tuning import suggest
 
 __all__ = ["fenced"]
@@ -178,7 +179,7 @@ def cancel(ctx: click.Context, task_ids: tuple[str, ...], reason: str, force: bo
     failed = 0
     for task_id in task_ids:
         code = control.cancel(app, task_id, reason, unknown_too=force)
-        if code == "unknown":
+        if code == CancelOutcome.UNKNOWN:
             failed += 1
             click.echo(
                 f"Error: task {task_id} is unknown (no lease, no result): nothing stored; "
@@ -209,11 +210,11 @@ def redrive(ctx: click.Context, task_ids: tuple[str, ...], all_abandoned: bool) 
         raise click.UsageError("give TASK_IDS or --all-abandoned")
     failed = 0
     for task_id, code in control.redrive_many(app, ids).items():
-        if code == "redriven":
+        if code == RedriveOutcome.REDRIVEN:
             click.echo(f"{task_id}: redriven")
             continue
         failed += 1
-        why = "unknown (no lease)" if code == "missing" else f"not abandoned ({code})"
+        why = "unknown (no lease)" if code == RedriveOutcome.MISSING else f"not abandoned ({code})"
         click.echo(f"Error: task {task_id} is {why}: nothing changed", err=True)
     if failed:
         ctx.exit(1)

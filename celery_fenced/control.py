@@ -14,6 +14,7 @@ from celery.exceptions import TaskRevokedError
 
 from .lease import LeaseState
 from .reaper import request_reap
+from .state import CancelOutcome, RedriveOutcome
 
 __all__ = ["abandoned", "cancel", "inspect", "redrive", "redrive_many"]
 
@@ -49,9 +50,9 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
     expires_ms = backend._expires_ms(states.REVOKED)
     store = backend.lease_store
     code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
-    if code == "retry-later":  # a token was taken between reserve and script: take another
+    if code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
         code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
-    if code == "cancelled":
+    if code == CancelOutcome.CANCELLED:
         logger.warning("task %s cancelled", task_id)
         # A chord member's part is counted, as Celery counts a revoked one.
         state = backend.lease_store.read(task_id)
@@ -73,7 +74,7 @@ def redrive_many(app: Celery, task_ids: list[str]) -> dict[str, str]:
     """:func:`redrive` for several tasks, with one reap message for all of them."""
     store = _backend(app).lease_store
     codes = {task_id: str(store.redrive(task_id)) for task_id in task_ids}
-    redriven = [task_id for task_id, code in codes.items() if code == "redriven"]
+    redriven = [task_id for task_id, code in codes.items() if code == RedriveOutcome.REDRIVEN]
     for task_id in redriven:
         logger.warning("redrive of task %s: due for a takeover now", task_id)
     if redriven:

@@ -22,10 +22,11 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from . import metrics
 from .lease import LeaseStore, RenewRequest
-from .metrics import buffer as metrics
 from .metrics import count_lease_activity
 from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
+from .state import LapseOutcome, RenewOutcome, RestoreOutcome
 
 __all__ = ["Heartbeat", "HeartbeatHooks"]
 
@@ -90,7 +91,6 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._store: LeaseStore | None = None
         self._waiting = default_interval  # the wait under way, seconds
-        self.ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -112,11 +112,6 @@ class Heartbeat:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         logger.debug("heartbeat stopped")
-
-    @property
-    def alive(self) -> bool:
-        """True while the thread runs."""
-        return self._thread is not None and self._thread.is_alive()
 
     def register(self, lease: OwnedLease) -> None:
         """Serve a new lease (starts the thread if needed).
@@ -158,7 +153,6 @@ class Heartbeat:
 
     def tick(self) -> None:
         """One pass over every lease served: check progress, renew or apply ``on_stall``."""
-        self.ticks += 1
         now = self._clock()
         batch: list[tuple[OwnedLease, bool]] = []
         for lease in self.leases():
@@ -169,7 +163,7 @@ class Heartbeat:
             if limit is not None and now - lease.started > limit:
                 self._hooks.duration_exceeded(lease)
                 continue
-            metrics.inc("owner_heartbeat_total")
+            metrics.buffer.inc("owner_heartbeat_total")
             self._count_progress(lease)
             renew, stalled = self._check_progress(lease, now)
             if renew:
@@ -184,7 +178,7 @@ class Heartbeat:
 
     def _flush_metrics(self) -> None:
         with contextlib.suppress(RedisError):
-            metrics.flush(self._get_store())
+            metrics.buffer.flush(self._get_store())
 
     def _check_progress(self, lease: OwnedLease, now: float) -> tuple[bool, bool]:
         """Return ``(renew, stalled)`` for one lease, applying ``on_stall`` when due."""
@@ -198,9 +192,9 @@ class Heartbeat:
         if lease.stall_checks_failed < policy.stall_checks:
             return True, False
         if not lease.stalled_reported:
-            metrics.inc("owner_no_progress_timeout_total")
+            metrics.buffer.inc("owner_no_progress_timeout_total")
             if bound == "idle timeout":
-                metrics.inc("owner_stream_idle_timeout_total")
+                metrics.buffer.inc("owner_stream_idle_timeout_total")
             logger.warning(
                 "lease stalled: task %s[%s] stage=%s token=%s: no progress for %.1fs (%s %.1fs), on_stall=%s",
                 lease.task_name,
@@ -235,7 +229,7 @@ class Heartbeat:
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False
-        if code != "ok":
+        if code != LapseOutcome.OK:
             self._lose(lease, REFUSALS.get(code, code))
         return True
 
@@ -265,20 +259,20 @@ class Heartbeat:
             return
         renewed = []
         for (lease, _), code in zip(batch, codes, strict=True):
-            if code == "ok":
+            if code == RenewOutcome.OK:
                 lease.renewed = sent
                 renewed.append(lease)
-                metrics.inc("owner_lease_renew_total")
-            elif code == "missing" and self._restore(lease):
+                metrics.buffer.inc("owner_lease_renew_total")
+            elif code == RenewOutcome.MISSING and self._restore(lease):
                 lease.renewed = sent
                 renewed.append(lease)
-            elif code == "finished" and lease.body_done:
+            elif code == RenewOutcome.FINISHED and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
                 # the write, which is then refused).
                 self.unregister(lease)
             else:
-                metrics.inc("owner_lease_renew_rejected_total")
+                metrics.buffer.inc("owner_lease_renew_rejected_total")
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
         if renewed:
             self._hooks.renewed(renewed)
@@ -309,7 +303,7 @@ class Heartbeat:
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
             return False
-        if code != "restored":
+        if code != RestoreOutcome.RESTORED:
             return False
         logger.warning(
             "lease restored: task %s[%s] token=%s: its hash had vanished from Redis (eviction, FLUSH "

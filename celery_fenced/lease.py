@@ -12,7 +12,8 @@ Times in the shared state are milliseconds of the Redis server's clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 from kombu.utils import json
 
@@ -22,10 +23,19 @@ from .scripts import ScriptSet
 from .state import (
     AcquireOutcome,
     AcquireResult,
+    CancelOutcome,
+    ClaimOutcome,
     ClaimResult,
+    ExpireOutcome,
+    LapseOutcome,
     LeaseState,
     LeaseStatus,
+    RedriveOutcome,
+    ReleaseOutcome,
+    RenewOutcome,
     RenewRequest,
+    RestoreOutcome,
+    StoreOutcome,
     StoreResult,
     as_text,
 )
@@ -42,30 +52,20 @@ __all__ = [
 ]
 
 
-_RENEW_CODES = frozenset({"ok", "stale-token", "not-owner", "claimed", "lapsed", "finished", "retrying", "missing"})
-_SIMPLE_CODES = {
-    "lapse": frozenset({"ok", "stale-token", "not-owner", "not-running", "missing"}),
-    "release": frozenset({"ok", "stale-token", "not-owner", "finished", "missing"}),
-    "store": frozenset({"stored", "stale", "finished", "lapsed", "foreign", "sticky"}),
-    "claim": frozenset({"requeued", "abandoned", "not-due", "waiting", "finished", "missing", "retry-later"}),
-    "cancel": frozenset({"cancelled", "finished", "unknown", "retry-later"}),
-    "redrive": frozenset({"redriven", "not-abandoned", "missing"}),
-    "expire": frozenset({"expired", "not-live", "missing"}),
-    "restore": frozenset({"restored", "exists"}),
-}
-
-
 #: kombu's JSON (datetimes, UUIDs, Decimals and bytes survive the round trip, as in Celery's
 #: own messages); one encoder for every call (it keeps no state between calls).
 _CALL_ENCODER = json.JSONEncoder()
 
 
-def _checked(script: str, code: Any) -> str:
-    text = as_text(code)
-    allowed = _RENEW_CODES if script == "renew" else _SIMPLE_CODES[script]
-    if text not in allowed:
-        raise LeaseScriptError(f"{script}.lua answered an unknown code {text!r}")
-    return text
+E = TypeVar("E", bound=StrEnum)
+
+
+def outcome(kind: type[E], script: str, code: Any) -> E:
+    """The script's answer as a member of its outcome enum; an unknown code is an error."""
+    try:
+        return kind(as_text(code))
+    except ValueError:
+        raise LeaseScriptError(f"{script}.lua answered an unknown code {as_text(code)!r}") from None
 
 
 def _require_task_id(task_id: Any) -> str:
@@ -121,8 +121,8 @@ class LeaseStore:
         code, previous, flat = self._acquire(
             task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id
         )
-        outcome = AcquireOutcome(_checked_acquire(code))
-        return AcquireResult(outcome, as_text(previous), LeaseState.from_flat(task_id, flat))
+        answer = outcome(AcquireOutcome, "acquire", code)
+        return AcquireResult(answer, as_text(previous), LeaseState.from_flat(task_id, flat))
 
     def _acquire(
         self,
@@ -139,7 +139,7 @@ class LeaseStore:
         args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
         return list(self.scripts.acquire(keys=keys, args=args))
 
-    def renew_many(self, requests: Sequence[RenewRequest]) -> list[str]:
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:
         """Renew many leases of one process in one round trip; one code per request."""
         if not requests:
             return []
@@ -158,15 +158,15 @@ class LeaseStore:
                 "STALLED" if req.stalled else "RUNNING",
             ]
         codes = self.scripts.renew(keys=keys, args=args)
-        return [_checked("renew", code) for code in codes]
+        return [outcome(RenewOutcome, "renew", code) for code in codes]
 
-    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str, reason: str) -> str:
+    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str, reason: str) -> LapseOutcome:
         """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out."""
         if mode not in ("release", "expire"):
             raise ValueError(f"mode must be 'release' or 'expire', got {mode!r}")
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         answer = self.scripts.lapse(keys=keys, args=[owner_id, _require_token(token), mode, reason])
-        return _checked("lapse", answer[0])
+        return outcome(LapseOutcome, "lapse", answer[0])
 
     def release(
         self,
@@ -177,13 +177,13 @@ class LeaseStore:
         status: LeaseStatus,
         due_in_ms: int = 0,
         keep_ms: int = 0,
-    ) -> str:
+    ) -> ReleaseOutcome:
         """End an attempt without a READY result: DONE, RETRYING or REQUEUED."""
         if status not in (LeaseStatus.DONE, LeaseStatus.RETRYING, LeaseStatus.REQUEUED):
             raise ValueError(f"release takes DONE, RETRYING or REQUEUED, not {status!r}")
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         args: list[Any] = [owner_id, _require_token(token), status.value, max(0, due_in_ms), max(0, keep_ms)]
-        return _checked("release", self.scripts.release(keys=keys, args=args)[0])
+        return outcome(ReleaseOutcome, "release", self.scripts.release(keys=keys, args=args)[0])
 
     def restore(
         self,
@@ -198,15 +198,15 @@ class LeaseStore:
         takeovers: int,
         max_takeovers: int,
         stage: str = "",
-    ) -> str:
+    ) -> RestoreOutcome:
         """Put back the lease of a live owner after its hash vanished: ``"restored"`` or ``"exists"``."""
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.token, self.keys.index]
         call_json = _CALL_ENCODER.encode(call) if call else ""
         args: list[Any] = [owner_id, _require_token(token), ttl_ms, task_name, call_json, attempt, takeovers]
         args += [max_takeovers, stage]
-        return _checked("restore", self.scripts.restore(keys=keys, args=args)[0])
+        return outcome(RestoreOutcome, "restore", self.scripts.restore(keys=keys, args=args)[0])
 
-    def hand_off(self, task_id: str, owner_id: str, token: int) -> str:
+    def hand_off(self, task_id: str, owner_id: str, token: int) -> ReleaseOutcome:
         """Pass the task id to a replacement (``Task.replace()``): the lease is deleted.
 
         Returns ``"ok"``, or why the owner no longer holds it (``"stale-token"``,
@@ -214,7 +214,7 @@ class LeaseStore:
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         args: list[Any] = [owner_id, _require_token(token), "HANDOFF", 0, 0]
-        return _checked("release", self.scripts.release(keys=keys, args=args)[0])
+        return outcome(ReleaseOutcome, "release", self.scripts.release(keys=keys, args=args)[0])
 
     def store(
         self,
@@ -250,7 +250,7 @@ class LeaseStore:
             owner_id,
         ]
         code, detail = self.scripts.store(keys=keys, args=args)
-        return StoreResult(_checked("store", code), as_text(detail))
+        return StoreResult(outcome(StoreOutcome, "store", code), as_text(detail))
 
     # -- reaper side --------------------------------------------------------------------
 
@@ -301,12 +301,12 @@ class LeaseStore:
         answers = pipe.execute()
         results = []
         for task_id, (code, cause, flat) in zip(task_ids, answers, strict=True):
-            checked = _checked("claim", code)
+            checked = outcome(ClaimOutcome, "claim", code)
             state = LeaseState.from_flat(task_id, flat) if flat else None
             results.append(ClaimResult(task_id, checked, as_text(cause), state))
         return results
 
-    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int, unknown_too: bool = False) -> str:
+    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int, unknown_too: bool = False) -> CancelOutcome:
         """End a task for good; ``revoked_meta(token)`` encodes its REVOKED meta.
 
         A task id with neither lease nor result is ``"unknown"`` and nothing is stored,
@@ -320,9 +320,9 @@ class LeaseStore:
         token = self.reserve_tokens(1)
         args = [token, revoked_meta(token), max(0, expires_ms), "1" if unknown_too else "0"]
         answer = self.scripts.cancel(keys=keys, args=args)
-        return _checked("cancel", answer[0])
+        return outcome(CancelOutcome, "cancel", answer[0])
 
-    def redrive(self, task_id: str) -> str:
+    def redrive(self, task_id: str) -> RedriveOutcome:
         """Put an ABANDONED task back for a fresh set of takeovers."""
         keys = [
             self.keys.lease(_require_task_id(task_id)),
@@ -330,9 +330,9 @@ class LeaseStore:
             self.keys.index,
             self.keys.abandoned,
         ]
-        return _checked("redrive", self.scripts.redrive(keys=keys, args=[])[0])
+        return outcome(RedriveOutcome, "redrive", self.scripts.redrive(keys=keys, args=[])[0])
 
-    def expire_now(self, task_id: str) -> str:
+    def expire_now(self, task_id: str) -> ExpireOutcome:
         """Make a live lease due for takeover now, as if its owner were gone (for operators and tests).
 
         The lease is given up (``LAPSED``), so its owner, if alive, cannot renew it back
@@ -340,7 +340,7 @@ class LeaseStore:
         ``"expired"``, ``"not-live"`` or ``"missing"``.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        return _checked("expire", self.scripts.expire(keys=keys, args=[])[0])
+        return outcome(ExpireOutcome, "expire", self.scripts.expire(keys=keys, args=[])[0])
 
     # -- reads --------------------------------------------------------------------------
 
@@ -406,13 +406,3 @@ class LeaseStore:
         """The Redis server's clock in milliseconds."""
         seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000
-
-
-_ACQUIRE_CODES = frozenset(outcome.value for outcome in AcquireOutcome)
-
-
-def _checked_acquire(code: Any) -> str:
-    text = as_text(code)
-    if text not in _ACQUIRE_CODES:
-        raise LeaseScriptError(f"acquire.lua answered an unknown code {text!r}")
-    return text

@@ -209,8 +209,3 @@ class OwnedLease:
         if block.kind == "stream":
             return block.idle, now - self.last_progress, "idle timeout"
         return block.first, now - block.started, "deadline"
-
-    @property
-    def progress_age(self) -> float:
-        """Seconds since the last progress, by the monotonic clock."""
-        return time.monotonic() - self.last_progress

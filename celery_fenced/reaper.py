@@ -19,12 +19,12 @@ from typing import Any
 from celery import Celery, states
 from celery._state import _task_stack
 
-from . import events, signals
+from . import events, metrics, signals
 from .calls import PUBLISH_ID_HEADER
 from .conf import DEFAULTS, check_settings_before_beat, ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .lease import ClaimResult, LeaseState
-from .metrics import buffer as metrics
+from .state import ClaimOutcome
 
 __all__ = ["REAP_TASK_NAME", "ReapReport", "reap", "register_reaper_task", "request_reap", "resend"]
 
@@ -32,9 +32,6 @@ logger = logging.getLogger("celery_fenced.reaper")
 
 #: The name of the Celery task that runs one reaper pass.
 REAP_TASK_NAME = "celery_fenced.reap"
-
-#: Header carrying the number of takeovers on a re-sent message.
-TAKEOVER_HEADER = "fenced_takeover"
 
 #: How many leases one pass claims at most; the rest wait for the next pass.
 DEFAULT_BATCH = 500
@@ -95,7 +92,7 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
             logger.exception("could not re-send task %s; it is due again later", result.task_id)
             report.failed.append(result.task_id)
     if results:
-        metrics.flush(store)
+        metrics.buffer.flush(store)
     if report.claimed or report.left:
         logger.info(
             "reaper: %d re-sent, %d abandoned, %d failed, %d left for the next pass",
@@ -109,7 +106,7 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
 
 def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
     state = result.state
-    if result.code == "requeued" and state is not None:
+    if result.code == ClaimOutcome.REQUEUED and state is not None:
         resend(app, state)
         report.requeued.append(result.task_id)
         logger.warning(
@@ -121,9 +118,9 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.owner_token,
         )
         if result.cause in ("stalled", "gone"):
-            metrics.inc("owner_takeover_total", cause=result.cause)
+            metrics.buffer.inc("owner_takeover_total", cause=result.cause)
         _tell(app, state, result.cause, abandoned=False)
-    elif result.code == "abandoned" and state is not None:
+    elif result.code == ClaimOutcome.ABANDONED and state is not None:
         report.abandoned.append(result.task_id)
         logger.error(
             "abandoned: task %s[%s] taken over %d times; FAILURE(TaskAbandonedError) stored",
@@ -168,7 +165,6 @@ def resend(app: Celery, state: LeaseState) -> Any:
     for name in _NOT_SEND_OPTIONS:
         options.pop(name, None)
     headers = dict(options.pop("headers", None) or {})
-    headers[TAKEOVER_HEADER] = state.takeovers
     publish_id = state.raw.get("publishId")
     if publish_id:
         headers[PUBLISH_ID_HEADER] = publish_id  # a copy of the same run, not a new apply

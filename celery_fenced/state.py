@@ -15,12 +15,22 @@ from typing import Any
 from kombu.utils import json
 
 __all__ = [
+    "SCRIPT_OUTCOMES",
     "AcquireOutcome",
     "AcquireResult",
+    "CancelOutcome",
+    "ClaimOutcome",
     "ClaimResult",
+    "ExpireOutcome",
+    "LapseOutcome",
     "LeaseState",
     "LeaseStatus",
+    "RedriveOutcome",
+    "ReleaseOutcome",
+    "RenewOutcome",
     "RenewRequest",
+    "RestoreOutcome",
+    "StoreOutcome",
     "StoreResult",
 ]
 
@@ -50,6 +60,109 @@ class AcquireOutcome(StrEnum):
     def runs(self) -> bool:
         """True when the caller now owns the lease and runs the task body."""
         return self in (AcquireOutcome.NEW, AcquireOutcome.TAKEOVER)
+
+
+class RenewOutcome(StrEnum):
+    """What ``renew.lua`` answered for one lease."""
+
+    OK = "ok"
+    STALE_TOKEN = "stale-token"
+    NOT_OWNER = "not-owner"
+    CLAIMED = "claimed"
+    LAPSED = "lapsed"
+    FINISHED = "finished"
+    RETRYING = "retrying"
+    MISSING = "missing"
+
+
+class LapseOutcome(StrEnum):
+    """What ``lapse.lua`` answered."""
+
+    OK = "ok"
+    STALE_TOKEN = "stale-token"
+    NOT_OWNER = "not-owner"
+    NOT_RUNNING = "not-running"
+    MISSING = "missing"
+
+
+class ReleaseOutcome(StrEnum):
+    """What ``release.lua`` answered."""
+
+    OK = "ok"
+    STALE_TOKEN = "stale-token"
+    NOT_OWNER = "not-owner"
+    FINISHED = "finished"
+    MISSING = "missing"
+
+
+class StoreOutcome(StrEnum):
+    """What ``store.lua`` (the fenced result write) answered."""
+
+    STORED = "stored"
+    STALE = "stale"
+    FINISHED = "finished"
+    LAPSED = "lapsed"
+    FOREIGN = "foreign"
+    STICKY = "sticky"
+
+
+class ClaimOutcome(StrEnum):
+    """What ``claim.lua`` (the reaper) answered for one lease."""
+
+    REQUEUED = "requeued"
+    ABANDONED = "abandoned"
+    NOT_DUE = "not-due"
+    WAITING = "waiting"
+    FINISHED = "finished"
+    MISSING = "missing"
+    RETRY_LATER = "retry-later"
+
+
+class CancelOutcome(StrEnum):
+    """What ``cancel.lua`` answered."""
+
+    CANCELLED = "cancelled"
+    FINISHED = "finished"
+    UNKNOWN = "unknown"
+    RETRY_LATER = "retry-later"
+
+
+class RedriveOutcome(StrEnum):
+    """What ``redrive.lua`` answered."""
+
+    REDRIVEN = "redriven"
+    NOT_ABANDONED = "not-abandoned"
+    MISSING = "missing"
+
+
+class ExpireOutcome(StrEnum):
+    """What ``expire.lua`` (an operator's or a test's "due now") answered."""
+
+    EXPIRED = "expired"
+    NOT_LIVE = "not-live"
+    MISSING = "missing"
+
+
+class RestoreOutcome(StrEnum):
+    """What ``restore.lua`` answered."""
+
+    RESTORED = "restored"
+    EXISTS = "exists"
+
+
+#: The outcome enum of each script that answers with a code.
+SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
+    "acquire": AcquireOutcome,
+    "renew": RenewOutcome,
+    "lapse": LapseOutcome,
+    "release": ReleaseOutcome,
+    "store": StoreOutcome,
+    "claim": ClaimOutcome,
+    "cancel": CancelOutcome,
+    "redrive": RedriveOutcome,
+    "expire": ExpireOutcome,
+    "restore": RestoreOutcome,
+}
 
 
 def as_text(value: Any) -> str:
@@ -169,9 +282,9 @@ class RenewRequest:
 
 @dataclass(frozen=True)
 class StoreResult:
-    """The answer of :meth:`LeaseStore.store`: ``code`` is one of store.lua's codes."""
+    """The answer of :meth:`LeaseStore.store`."""
 
-    code: str
+    code: StoreOutcome
     detail: str
 
     @property
@@ -185,6 +298,6 @@ class ClaimResult:
     """One lease handled by :meth:`LeaseStore.claim_due`."""
 
     task_id: str
-    code: str
+    code: ClaimOutcome
     cause: str
     state: LeaseState | None

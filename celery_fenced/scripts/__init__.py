@@ -1,7 +1,9 @@
 """The Lua scripts that make every change to the shared state, and their loader.
 
-Each script lives in its own ``.lua`` file beside this module, headed by its KEYS, ARGV and
-return codes. :class:`ScriptSet` registers them with redis-py's ``register_script``, which
+Each script lives in its own ``<name>.lua`` file beside this module, headed by its KEYS,
+ARGV and return codes. The functions several scripts share (the server clock, Celery's
+result write) live once, in ``_lib.lua``, which the loader puts in front of each script.
+:class:`ScriptSet` registers every script file with redis-py's ``register_script``, which
 runs them by SHA and reloads a script after ``NoScriptError`` (a Redis restart).
 """
 
@@ -13,47 +15,52 @@ from typing import Any
 
 from redis.commands.core import Script
 
-__all__ = ["SCRIPT_NAMES", "ScriptSet", "script_source"]
+__all__ = ["SCRIPT_NAMES", "ScriptSet", "script_header", "script_source"]
 
-#: Every script the package runs; ``<name>.lua`` must exist beside this module.
-SCRIPT_NAMES = (
-    "acquire",
-    "renew",
-    "lapse",
-    "release",
-    "store",
-    "claim",
-    "cancel",
-    "redrive",
-    "metrics",
-    "gaps",
-    "fenced_write",
-    "expire",
-    "restore",
-)
+_LIBRARY = "_lib"
+
+
+def _names() -> tuple[str, ...]:
+    files = resources.files(__package__)
+    return tuple(
+        sorted(
+            entry.name.removesuffix(".lua")
+            for entry in files.iterdir()
+            if entry.name.endswith(".lua") and not entry.name.startswith("_")
+        )
+    )
+
+
+#: Every script the package runs: one ``<name>.lua`` file each, found beside this module.
+SCRIPT_NAMES = _names()
+
+
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+def script_header(name: str) -> str:
+    """The script file itself, without the shared library (its header is its contract)."""
+    if name not in SCRIPT_NAMES:
+        raise KeyError(f"unknown lease script {name!r}")
+    return _read(name)
 
 
 @cache
 def script_source(name: str) -> str:
-    """Return the Lua source of a script by name (``"acquire"`` reads ``acquire.lua``)."""
-    if name not in SCRIPT_NAMES:
-        raise KeyError(f"unknown lease script {name!r}")
-    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    """The Lua source run for a script: the shared library, then ``<name>.lua``."""
+    return f"{_read(_LIBRARY)}\n{script_header(name)}"
 
 
 class ScriptSet:
-    """The package's scripts registered on one Redis client."""
+    """The package's scripts registered on one Redis client, as attributes by name."""
 
     def __init__(self, client: Any) -> None:
-        self.acquire: Script = client.register_script(script_source("acquire"))
-        self.renew: Script = client.register_script(script_source("renew"))
-        self.lapse: Script = client.register_script(script_source("lapse"))
-        self.release: Script = client.register_script(script_source("release"))
-        self.store: Script = client.register_script(script_source("store"))
-        self.claim: Script = client.register_script(script_source("claim"))
-        self.cancel: Script = client.register_script(script_source("cancel"))
-        self.redrive: Script = client.register_script(script_source("redrive"))
-        self.metrics: Script = client.register_script(script_source("metrics"))
-        self.gaps: Script = client.register_script(script_source("gaps"))
-        self.expire: Script = client.register_script(script_source("expire"))
-        self.restore: Script = client.register_script(script_source("restore"))
+        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+
+    def __getattr__(self, name: str) -> Script:
+        try:
+            scripts: dict[str, Script] = self.__dict__["_scripts"]
+            return scripts[name]
+        except KeyError:
+            raise AttributeError(f"no lease script {name!r}") from None

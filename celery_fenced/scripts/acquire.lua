@@ -23,7 +23,6 @@
 --                signature re-applied) starts a new run instead, answered "new"; a cancelled
 --                task and a delivery without a publish id are never run again
 --   "abandoned"  taken over too often: do not run
-redis.replicate_commands()
 
 -- The owner needs only these fields back (not the recorded call, which can be large).
 local function snapshot()
@@ -40,8 +39,7 @@ local function snapshot()
   return out
 end
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local ttl = tonumber(ARGV[2])
 
 -- What every acquire writes for its owner (attempt and takeovers are counted apart).

@@ -16,9 +16,7 @@
 -- Returns {code, previous status}: "cancelled" | "finished" (already DONE or ABANDONED, or
 --   a result stored and its lease gone) | "unknown" (no lease, no result, ARGV[4] "0") |
 --   "retry-later" (the reserved token is not newer than the lease's)
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken')
 local status = cur[1] or ''
 if status == 'DONE' or status == 'ABANDONED' then
@@ -36,12 +34,7 @@ if tonumber(ARGV[1]) <= tonumber(cur[2] or '0') then
   return {'retry-later', status}
 end
 local expires = tonumber(ARGV[3])
-if expires > 0 then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', expires)
-else
-  redis.call('SET', KEYS[2], ARGV[2])
-end
-redis.call('PUBLISH', KEYS[2], ARGV[2])
+write_result(KEYS[2], ARGV[2], expires)
 redis.call('ZREM', KEYS[3], KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'DONE', 'ownerToken', ARGV[1], 'leaseExpireAt', now,
   'finishedAt', now, 'resultState', 'REVOKED', 'cancelledAt', now)

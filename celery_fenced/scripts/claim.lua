@@ -26,9 +26,7 @@
 --   "finished"   DONE or ABANDONED already: the index entry was removed
 --   "missing"    no lease: the index entry was removed
 --   "retry-later" the reserved token is not newer than the lease's: try on the next pass
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   redis.call('ZREM', KEYS[3], KEYS[1])
@@ -93,13 +91,10 @@ if takeovers > max_takeovers then
   end
   local meta = ARGV[4]
   local expires = tonumber(ARGV[5])
+  write_result(KEYS[2], meta, expires)
   if expires > 0 then
-    redis.call('SET', KEYS[2], meta, 'PX', expires)
     redis.call('PEXPIRE', KEYS[1], expires)
-  else
-    redis.call('SET', KEYS[2], meta)
   end
-  redis.call('PUBLISH', KEYS[2], meta)
   redis.call('ZREM', KEYS[3], KEYS[1])
   redis.call('ZADD', KEYS[4], now, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'ABANDONED', 'ownerToken', token, 'ownerId', '',

@@ -11,9 +11,7 @@
 -- KEYS[2]  expiry index
 --
 -- Returns {code}: "expired" | "not-live" | "missing"
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   return {'missing'}

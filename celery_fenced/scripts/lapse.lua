@@ -10,9 +10,7 @@
 -- ARGV[4]  reason written to lapseReason (e.g. "stalled", "max-duration")
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "not-running" | "missing"
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
 if not cur[1] then
   return {'missing'}

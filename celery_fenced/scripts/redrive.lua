@@ -9,9 +9,7 @@
 -- KEYS[4]  dead letters (the task leaves them)
 --
 -- Returns {code, previous status}: "redriven" | "not-abandoned" | "missing"
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   redis.call('ZREM', KEYS[4], KEYS[1])

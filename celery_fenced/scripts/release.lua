@@ -17,9 +17,7 @@
 -- ARGV[5]  ms the lease hash lives once DONE (the result expiry; 0 = no expiry)
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "finished" | "missing"
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
 if not cur[1] then
   return {'missing'}

@@ -14,13 +14,11 @@
 --
 -- A DONE lease answers "finished" to its last owner and after a cancel (which ends a lease
 -- with a fresh token), "stale-token" to an owner whose task was taken over and finished by
--- the new one; an ABANDONED lease answers "claimed" whatever the token. Returns one code
--- per lease:
---   "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED/ABANDONED) |
---   "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- the new one; an ABANDONED lease answers "claimed" whatever the token.
+--
+-- Returns one code per lease: "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED or
+--   ABANDONED) | "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
+local now = now_ms()
 local codes = {}
 for i = 2, #KEYS do
   local base = (i - 2) * 7

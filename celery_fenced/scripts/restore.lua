@@ -20,12 +20,10 @@
 -- Returns {code}:
 --   "restored"  the lease is back, RUNNING for this owner, due at now + ttl
 --   "exists"    a lease exists (another delivery acquired it meanwhile): nothing written
-redis.replicate_commands()
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'exists'}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local token = tonumber(ARGV[2])
 if tonumber(redis.call('GET', KEYS[2]) or '0') < token then
   redis.call('SET', KEYS[2], token)  -- the counter went with the lease: never hand this token out again

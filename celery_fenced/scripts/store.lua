@@ -33,20 +33,10 @@
 --   "sticky"    not written: a SUCCESS is already stored (Celery's own rule), with no lease,
 --               or for a task id applied again after it (detail "kept"; a READY state still
 --               ends that run's lease)
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
-local function write_result()
-  if expires > 0 then
-    redis.call('SET', KEYS[2], meta, 'PX', expires)
-  else
-    redis.call('SET', KEYS[2], meta)
-  end
-  redis.call('PUBLISH', KEYS[2], meta)
-end
 
 local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState', 'successKept')
 local status = cur[1]
@@ -69,7 +59,7 @@ if not status then
       return {'sticky', ''}
     end
   end
-  write_result()
+  write_result(KEYS[2], meta, expires)
   return {'stored', ''}
 end
 
@@ -117,7 +107,7 @@ if cur[5] then
   return {'sticky', 'kept'}
 end
 
-write_result()
+write_result(KEYS[2], meta, expires)
 if kind == 'ready' then
   redis.call('ZREM', KEYS[3], KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now,

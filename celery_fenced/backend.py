@@ -25,7 +25,6 @@ from celery.app.task import Context
 from celery.backends.base import _is_request_ignore_result
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
-from kombu.utils.encoding import bytes_to_str
 
 from . import events, metrics, reaper, signals
 from .conf import ensure_conf
@@ -34,7 +33,7 @@ from .keys import KeySpace
 from .lease import LeaseStore, StoreResult
 from .metrics import count_lease_activity
 from .owner import OwnedLease
-from .state import StoreOutcome
+from .state import StoreOutcome, as_text
 
 __all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
 
@@ -121,13 +120,14 @@ class FencedRedisBackend(RedisBackend):
         url = str(kwargs.get("url") or "")
         if cls is FencedRedisBackend and url.startswith("sentinel"):
             cls = FencedSentinelBackend
-        return super().__new__(cls)
+        backend: FencedRedisBackend = super().__new__(cls)
+        return backend
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_redis_url(kwargs.get("url"))
         super().__init__(*args, **kwargs)
         conf = ensure_conf(self.app)
-        self.keyspace = KeySpace.build(conf.key_prefix, bytes_to_str(self.task_keyprefix), _global_keyprefix(self.app))
+        self.keyspace = KeySpace.build(conf.key_prefix, as_text(self.task_keyprefix), _global_keyprefix(self.app))
 
     @cached_property
     def lease_store(self) -> LeaseStore:
@@ -166,7 +166,7 @@ class FencedRedisBackend(RedisBackend):
         if owned is not None and owned.task_id != task_id:
             owned = None  # update_state(task_id=<another task>): not this owner's lease to fence
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
-        meta["task_id"] = bytes_to_str(task_id)
+        meta["task_id"] = as_text(task_id)
         if owned is not None:
             meta["fence_token"] = owned.token
         if state in states.READY_STATES:

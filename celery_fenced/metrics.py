@@ -206,7 +206,7 @@ def gap_bucket(seconds: float) -> int:
 
 def gap_bucket_middle(index: int) -> float:
     """The geometric middle of bucket ``index``, seconds: what a quantile in it reads as."""
-    return GAP_MIN * GAP_RATIO ** (index + 0.5)
+    return float(GAP_MIN * GAP_RATIO ** (index + 0.5))
 
 
 #: This process's buffer.

@@ -241,7 +241,7 @@ class LeaseState:
         if not text:
             return None
         try:
-            call: Mapping[str, Any] = json.loads(text)
+            call: Mapping[str, Any] = json.loads(text)  # type: ignore[no-untyped-call]
         except ValueError:
             return None
         return call

@@ -97,6 +97,11 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
     assert value(text, 'owner_takeover_total{cause="gone"}') == 0
     assert value(text, "owner_fencing_rejected_total") == 1
     assert value(text, 'owner_false_takeover_total{stage="load-data"}') == 1
+    tune = cluster.cli("tune", "--floor", "0.1", "--min-samples", "1")
+    row = next(r for r in tune.stdout.splitlines() if r.startswith("load-data"))
+    assert "not cut: false takeovers" in row, tune.stdout
+    suggested = json.loads(tune.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    assert suggested["load-data"] >= 2.0  # the stage's deadline: its quick second run does not cut it
     assert value(text, "owner_no_progress_timeout_total") == 1
     assert value(text, "owner_lease_renew_total") >= 1
     assert value(text, "owner_heartbeat_total") >= 1

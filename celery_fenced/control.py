@@ -14,7 +14,7 @@ from celery.exceptions import TaskRevokedError
 
 from .lease import LeaseState
 from .reaper import request_reap
-from .state import CancelOutcome, RedriveOutcome
+from .state import CancelOutcome, LeaseStatus, RedriveOutcome
 
 __all__ = ["abandoned", "cancel", "inspect", "redrive", "redrive_many"]
 
@@ -55,7 +55,7 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
     if code == CancelOutcome.CANCELLED:
         logger.warning("task %s cancelled", task_id)
         # A chord member's part is counted, as Celery counts a revoked one.
-        state = backend.lease_store.read(task_id)
+        state = store.read(task_id)
         call = state.call if state is not None else None
         backend.ended_without_owner(task_id, call, TaskRevokedError(reason), states.REVOKED)
     return str(code)
@@ -86,7 +86,7 @@ def abandoned(app: Celery, limit: int = 1000) -> list[LeaseState]:
     """The dead letters: tasks whose takeovers ran out (``ABANDONED``), oldest first."""
     store = _backend(app).lease_store
     task_ids = store.abandoned_task_ids(limit)
-    states = [state for state in store.read_many(task_ids) if state.status == "ABANDONED"]
+    states = [state for state in store.read_many(task_ids) if state.status == LeaseStatus.ABANDONED]
     store.forget_abandoned(set(task_ids) - {state.task_id for state in states})
     return states
 

@@ -26,12 +26,12 @@ from benchmarks._harness import Harness
 from celery_fenced.conf import FencedConfig
 from celery_fenced.heartbeat import Heartbeat
 from celery_fenced.keys import KeySpace
-from celery_fenced.lease import LeaseStore
 from celery_fenced.owner import OwnedLease
+from celery_fenced.store import LeaseStore
 
 
-class QuietHooks:
-    """The heartbeat's hooks with nothing to do: every lease here progresses in time."""
+class QuietListener:
+    """The heartbeat's listener with nothing to do: every lease here progresses in time."""
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         raise AssertionError(f"lease {lease.task_id} lost: {reason}")
@@ -80,7 +80,7 @@ def tick_costs(store: LeaseStore, policy: Any, count: int, ticks: int) -> tuple[
             f"tick-{count}-{i}", owner, ttl_ms=policy.lease_ttl_ms, task_name="bench", max_takeovers=3
         )
         leases.append(OwnedLease(f"tick-{count}-{i}", "bench", owner, acquired.state.owner_token, 1, 0, policy))
-    beat = Heartbeat(store_factory=lambda: store, hooks=QuietHooks(), default_interval=60)
+    beat = Heartbeat(store_factory=lambda: store, listener=QuietListener(), default_interval=60)
     for lease in leases:
         beat._leases[lease.owner_id] = lease  # served without the thread: ticked by hand
     keys = [store.keys.lease(lease.task_id) for lease in leases]

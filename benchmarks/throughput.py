@@ -157,7 +157,7 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
 
 def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
     from benchmarks import bench_app
-    from celery_fenced.lease import RenewRequest
+    from celery_fenced.state import RenewRequest
 
     store = bench_app.app.backend.lease_store
     rows = []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from .backend import FencedRedisBackend
 from .exceptions import LeaseLostError, StaleOwnerError, TaskAbandonedError
-from .lease import LeaseState
 from .reaper import install, reap
+from .state import LeaseState
 from .task import ProgressLeasedTask
 
 __all__ = [

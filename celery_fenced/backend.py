@@ -13,9 +13,8 @@ failing the rest of a chain).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
+import threading
 from collections.abc import Callable, Mapping
 from functools import cached_property, partial
 from typing import Any, TypeVar
@@ -26,14 +25,13 @@ from celery.backends.base import _is_request_ignore_result
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 
-from . import events, metrics, reaper, signals
+from . import metrics, reaper, signals
 from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
-from .lease import LeaseStore, StoreResult
-from .metrics import count_lease_activity
-from .owner import OwnedLease
-from .state import StoreOutcome, as_text
+from .state import StoreOutcome, StoreResult, as_text
+from .store import LeaseStore
+from .worker.attempt import attempt_of
 
 __all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
 
@@ -86,10 +84,6 @@ def _global_keyprefix(app: Any) -> str:
         prefix += "_"  # the same rule Celery applies to its own keys
     return str(prefix)
 
-
-#: A taken-over owner whose SUCCESS comes within this many times its stage's deadline after
-#: its last progress counts as a false takeover; one that needed longer was stuck, not slow.
-FALSE_TAKEOVER_FACTOR = 10
 
 #: The URL schemes after ``fenced+`` that name a Redis server (the lease store is Redis).
 REDIS_SCHEMES = ("redis", "rediss", "sentinel", "socket", "unix")
@@ -157,18 +151,17 @@ class FencedRedisBackend(RedisBackend):
         request: Any = None,
         **kwargs: Any,
     ) -> Any:
-        if request is not None and getattr(request, "fenced_skip", None):
+        attempt = attempt_of(request)
+        if attempt is not None and attempt.skip:
             # A duplicate or finished delivery: its writes (STARTED included) go nowhere.
             return result
-        if request is not None and state == states.SUCCESS and getattr(request, "fenced_result_stored", False):
+        if attempt is not None and state == states.SUCCESS and attempt.result_stored:
             return result  # already stored through the fence by the task itself
-        owned: OwnedLease | None = getattr(request, "fenced_lease", None)
-        if owned is not None and owned.task_id != task_id:
-            owned = None  # update_state(task_id=<another task>): not this owner's lease to fence
+        token = attempt.token_for(task_id) if attempt is not None else None
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = as_text(task_id)
-        if owned is not None:
-            meta["fence_token"] = owned.token
+        if token is not None:
+            meta["fence_token"] = token
         if state in states.READY_STATES:
             kind = "ready"
         elif state == states.RETRY:
@@ -176,61 +169,64 @@ class FencedRedisBackend(RedisBackend):
         else:
             kind = "other"
         conf = ensure_conf(self.app)
-        retry_delay = float(getattr(request, "fenced_retry_delay", 0) or 0)
-        worker_lost = owned is None and state == states.FAILURE and _is_worker_lost(result)
+        retry_delay = attempt.retry_delay if attempt is not None else 0.0
         store = partial(
             self.lease_store.store,
             task_id,
-            owned.token if owned is not None else None,
+            token,
             self.encode(meta),
             state=state,
             kind=kind,
             expires_ms=self._expires_ms(state),
             retry_due_ms=int((retry_delay + conf.requeue_timeout) * 1000),
-            writer=_main_process_writer(request) if owned is None else "",
-            worker_lost=worker_lost,
-            owner_id=owned.owner_id if owned is not None else "",
+            writer=_main_process_writer(request) if token is None else "",
+            worker_lost=token is None and state == states.FAILURE and _is_worker_lost(result),
+            owner_id=attempt.owner_id if attempt is not None and token is not None else "",
         )
         outcome: StoreResult = self.retrying(store)
-        if request is not None:
-            with contextlib.suppress(AttributeError):  # a request that takes no attributes
-                request.fenced_write = outcome.code
-        self._after_store(task_id, state, owned, outcome)
+        self._last_write.outcome = (task_id, outcome.code)
+        writer = attempt if attempt is not None and token is not None else None
+        self._report(task_id, state, token, outcome, writer)
+        if writer is not None:
+            writer.result_written(self.lease_store, self.app, state, outcome)
         return result
 
-    def _after_store(self, task_id: str, state: str, owned: OwnedLease | None, outcome: StoreResult) -> None:
+    @cached_property
+    def _last_write(self) -> threading.local:
+        """Per thread, ``(task id, outcome code)`` of the last write: Celery's side effects
+        after a write run only if it was not refused."""
+        return threading.local()
+
+    def _report(self, task_id: str, state: str, token: int | None, outcome: StoreResult, writer: Any) -> None:
+        """Log, count and signal a write that was not stored; ask for a reap after a lapse.
+
+        ``writer`` is the attempt that wrote with ``token`` (``None`` for a tokenless write).
+        """
         code = outcome.code
         if code == StoreOutcome.STORED:
-            if owned is not None and outcome.detail in ("DONE", "RETRYING") and not owned.ended:
-                owned.ended = True
-                count_lease_activity(owned, ended=True)
-                if state == states.SUCCESS:
-                    metrics.buffer.observe("owner_task_total_duration_seconds", time.monotonic() - owned.started)
             return
-        name = owned.task_name if owned is not None else None
-        if code == StoreOutcome.STALE and owned is not None and owned.retrying and state == states.RETRY:
+        if code == StoreOutcome.STALE and writer is not None and writer.retry_sent and state == states.RETRY:
             # The retry message was acquired before this RETRY write: the retry's new owner
             # holds the task now, and its STARTED must not be overwritten.
             logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, outcome.detail)
             return
         if code == StoreOutcome.STALE:
             current = int(outcome.detail) if outcome.detail.isdigit() else None
+            name = writer.task_name if writer is not None else None
             logger.warning(
                 "stale write dropped: task %s[%s] state=%s stage=%s token=%s current token=%s",
                 name,
                 task_id,
                 state,
-                owned.stage if owned is not None else None,
-                owned.token if owned is not None else None,
+                writer.stage if writer is not None else None,
+                token,
                 current,
             )
-            self._count_stale_write(task_id, state, owned, current)
+            metrics.buffer.inc("owner_fencing_rejected_total")
+            if writer is None:
+                metrics.buffer.flush(self.lease_store)  # an owner's count is flushed with its loss
             signals.stale_write_rejected.send(
-                sender=name,
-                task_id=task_id,
-                token=owned.token if owned is not None else None,
-                current_token=current,
-                state=state,
+                sender=name, task_id=task_id, token=token, current_token=current, state=state
             )
         elif code == StoreOutcome.LAPSED:
             logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
@@ -238,45 +234,17 @@ class FencedRedisBackend(RedisBackend):
         else:
             logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, outcome.detail)
 
-    def _count_stale_write(self, task_id: str, state: str, owned: OwnedLease | None, current: int | None) -> None:
-        metrics.buffer.inc("owner_fencing_rejected_total")
-        if owned is None:
-            metrics.buffer.flush(self.lease_store)
-            return
-        owned.mark_lost("fenced: a newer token owns the task")
-        if state == states.SUCCESS:
-            # The old owner of a takeover finished after all, soon after its deadline: the
-            # deadline was too tight (counted per stage, so `tune` never cuts that one).
-            allowed, elapsed, _ = owned.no_progress_deadline(time.monotonic())
-            lease = self.lease_store.read(task_id)
-            if (
-                lease is not None
-                and lease.takeovers > 0
-                and "cancelledAt" not in lease.raw
-                and elapsed <= allowed * FALSE_TAKEOVER_FACTOR
-            ):
-                metrics.buffer.inc("owner_false_takeover_total", stage=owned.stage or "")
-        metrics.buffer.flush(self.lease_store)
-        events.send(
-            self.app,
-            "task-fenced",
-            task_id=task_id,
-            token=owned.token,
-            stage=owned.stage,
-            attempt=owned.attempt,
-            current_token=current,
-            state=state,
-        )
-
     def _expires_ms(self, state: str) -> int:
         expires = self.failure_expires if state == states.FAILURE else self.expires
         return int(expires * 1000) if expires else 0
 
-    @staticmethod
-    def _refused(request: Any) -> bool:
-        if request is None:
-            return False
-        return bool(getattr(request, "fenced_skip", None)) or (getattr(request, "fenced_write", None) in REFUSED_WRITES)
+    def _refused(self, task_id: str, request: Any) -> bool:
+        """The write just made for ``task_id`` (or the delivery's writes) went nowhere."""
+        attempt = attempt_of(request)
+        if attempt is not None and attempt.skip:
+            return True
+        last = getattr(self._last_write, "outcome", None)
+        return last is not None and last[0] == task_id and last[1] in REFUSED_WRITES
 
     # -- Celery's write entry points: no side effects after a refused write -----------------
 
@@ -289,9 +257,10 @@ class FencedRedisBackend(RedisBackend):
         state: str = states.SUCCESS,
     ) -> None:
         """Store a SUCCESS; a refused write does not count a chord part."""
+        self._last_write.outcome = None
         if store_result and not _is_request_ignore_result(request):
             self.store_result(task_id, result, state, request=request)
-        if self._refused(request):
+        if self._refused(task_id, request):
             return
         if request and request.chord:
             self.on_chord_part_return(request, state, result)
@@ -312,9 +281,10 @@ class FencedRedisBackend(RedisBackend):
         the fenced write: the chord part, the FAILURE of every later chain step (stored as
         Celery stores it, unless results are not stored), and the errbacks.
         """
+        self._last_write.outcome = None
         if store_result:
             self.store_result(task_id, exc, state, traceback=traceback, request=request)
-        if self._refused(request) or not request:
+        if self._refused(task_id, request) or not request:
             return
         self.failure_side_effects(request, exc, state, traceback, store_chain=store_result, errbacks=call_errbacks)
 
@@ -367,9 +337,10 @@ class FencedRedisBackend(RedisBackend):
         state: str = states.REVOKED,
     ) -> None:
         """Store a REVOKED; a refused write does not count a chord part."""
+        self._last_write.outcome = None
         if store_result:
             self.store_result(task_id, TaskRevokedError(reason), state, traceback=None, request=request)
-        if self._refused(request):
+        if self._refused(task_id, request):
             return
         super().mark_as_revoked(task_id, reason, request=request, store_result=False, state=state)
 

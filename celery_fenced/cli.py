@@ -23,6 +23,7 @@ from .conf import ensure_conf
 from .exceptions import ConfigurationError
 from .metrics import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, read_gaps, read_totals
 from .state import CancelOutcome, RedriveOutcome
+from .store import LeaseStore, lease_store_of
 from .tuning import suggest
 
 __all__ = ["fenced"]
@@ -40,18 +41,11 @@ def _app(ctx: click.Context) -> Any:
     return app
 
 
-def _store(app: Any) -> Any:
+def _store(app: Any) -> LeaseStore:
     try:
-        backend = app.backend
+        return lease_store_of(app, "celery fenced")
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
-    store = getattr(backend, "lease_store", None)
-    if store is None:
-        raise click.ClickException(
-            f"the result backend is {type(app.backend).__name__}: celery fenced needs "
-            "result_backend = 'fenced+redis://…'"
-        )
-    return store
 
 
 @click.group(name="fenced")

@@ -18,6 +18,7 @@ from typing import Any
 
 from celery import Celery
 
+from .apps import first_time, record_of
 from .exceptions import ConfigurationError
 
 __all__ = [
@@ -252,19 +253,18 @@ def read_settings(app: Celery) -> dict[str, Any]:
 
 _MISSING = object()
 _warned_unknown: set[str] = set()
-_CACHE_ATTR = "_celery_fenced_conf"
 
 
 def ensure_conf(app: Celery) -> FencedConfig:
-    """Return the app's validated :class:`FencedConfig`, built once and cached on the app.
+    """Return the app's validated :class:`FencedConfig`, built once per app.
 
     The first build also warns about each ``fenced_*`` setting that is not one of
     :data:`DEFAULTS` (a misspelled key would otherwise be ignored without a word).
     """
-    conf: FencedConfig | None = getattr(app, _CACHE_ATTR, None)
+    record = record_of(app)
+    conf: FencedConfig | None = record.conf
     if conf is None:
-        conf = FencedConfig.from_mapping(read_settings(app))
-        setattr(app, _CACHE_ATTR, conf)
+        conf = record.conf = FencedConfig.from_mapping(read_settings(app))
         for key in unknown_settings(app):
             if key in _warned_unknown:
                 continue
@@ -297,9 +297,8 @@ def check_settings_before_beat(app: Celery) -> None:
     own; the app's ``on_after_finalize`` comes earlier, and this receiver acts only under
     the ``beat`` command (idempotent).
     """
-    if getattr(app, "_celery_fenced_beat_check", False):
+    if not first_time(app, "beat settings check"):
         return
-    app._celery_fenced_beat_check = True
 
     def check(sender: Any = None, **_: Any) -> None:
         import click
@@ -331,5 +330,4 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
 
 def reset_conf(app: Celery) -> None:
     """Forget the cached configuration (after changing ``app.conf`` in tests)."""
-    if hasattr(app, _CACHE_ATTR):
-        delattr(app, _CACHE_ATTR)
+    record_of(app).conf = None

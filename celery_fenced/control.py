@@ -12,20 +12,13 @@ import logging
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
-from .lease import LeaseState
 from .reaper import request_reap
-from .state import CancelOutcome, LeaseStatus, RedriveOutcome
+from .state import CancelOutcome, LeaseState, LeaseStatus, RedriveOutcome
+from .store import lease_store_of
 
 __all__ = ["abandoned", "cancel", "inspect", "redrive", "redrive_many"]
 
-logger = logging.getLogger("celery_fenced.control")
-
-
-def _backend(app: Celery):  # type: ignore[no-untyped-def]
-    backend = app.backend
-    if not hasattr(backend, "lease_store"):
-        raise TypeError(f"this needs the fenced result backend, not {type(backend).__name__}")
-    return backend
+logger = logging.getLogger(__name__)
 
 
 def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too: bool = False) -> str:
@@ -42,13 +35,13 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
     Returns:
         ``"cancelled"``, ``"finished"`` when the task had already ended, or ``"unknown"``.
     """
-    backend = _backend(app)
+    store = lease_store_of(app, "cancel()")
+    backend = app.backend
 
     def revoked_meta(token: int) -> object:
         return backend.encoded_meta(task_id, TaskRevokedError(reason), states.REVOKED, token)
 
     expires_ms = backend._expires_ms(states.REVOKED)
-    store = backend.lease_store
     code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     if code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
         code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
@@ -72,7 +65,7 @@ def redrive(app: Celery, task_id: str) -> str:
 
 def redrive_many(app: Celery, task_ids: list[str]) -> dict[str, str]:
     """:func:`redrive` for several tasks, with one reap message for all of them."""
-    store = _backend(app).lease_store
+    store = lease_store_of(app, "redrive_many()")
     codes = {task_id: str(store.redrive(task_id)) for task_id in task_ids}
     redriven = [task_id for task_id, code in codes.items() if code == RedriveOutcome.REDRIVEN]
     for task_id in redriven:
@@ -84,7 +77,7 @@ def redrive_many(app: Celery, task_ids: list[str]) -> dict[str, str]:
 
 def abandoned(app: Celery, limit: int = 1000) -> list[LeaseState]:
     """The dead letters: tasks whose takeovers ran out (``ABANDONED``), oldest first."""
-    store = _backend(app).lease_store
+    store = lease_store_of(app, "abandoned()")
     task_ids = store.abandoned_task_ids(limit)
     states = [state for state in store.read_many(task_ids) if state.status == LeaseStatus.ABANDONED]
     store.forget_abandoned(set(task_ids) - {state.task_id for state in states})
@@ -93,5 +86,5 @@ def abandoned(app: Celery, limit: int = 1000) -> list[LeaseState]:
 
 def inspect(app: Celery, task_id: str) -> LeaseState | None:
     """The lease of ``task_id``, or ``None`` when it has none."""
-    state: LeaseState | None = _backend(app).lease_store.read(task_id)
+    state: LeaseState | None = lease_store_of(app, "inspect()").read(task_id)
     return state

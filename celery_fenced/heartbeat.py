@@ -23,12 +23,11 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from . import metrics
-from .lease import LeaseStore, RenewRequest
-from .metrics import count_lease_activity
 from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
-from .state import LapseOutcome, RenewOutcome, RestoreOutcome
+from .state import LapseOutcome, RenewOutcome, RenewRequest, RestoreOutcome
+from .store import LeaseStore
 
-__all__ = ["Heartbeat", "HeartbeatHooks"]
+__all__ = ["Heartbeat", "HeartbeatListener"]
 
 logger = logging.getLogger("celery_fenced.heartbeat")
 
@@ -44,8 +43,11 @@ REFUSALS = {
 }
 
 
-class HeartbeatHooks(Protocol):
-    """What the heartbeat tells the rest of the package (see :mod:`celery_fenced.attempt`)."""
+class HeartbeatListener(Protocol):
+    """What the heartbeat tells the rest of the package.
+
+    A worker's listener is :class:`~celery_fenced.worker.listener.WorkerListener`.
+    """
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         """The lease is lost: tell the body (and interrupt it where configured)."""
@@ -68,7 +70,7 @@ class Heartbeat:
 
     Args:
         store_factory: returns the :class:`LeaseStore` to use (called in the thread).
-        hooks: receives stalls, losses and renewals.
+        listener: told of stalls, losses and renewals.
         default_interval: the tick period when no lease asks for a shorter one.
         clock: the monotonic clock (injectable for tests).
     """
@@ -76,12 +78,12 @@ class Heartbeat:
     def __init__(
         self,
         store_factory: Callable[[], LeaseStore],
-        hooks: HeartbeatHooks,
+        listener: HeartbeatListener,
         default_interval: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store_factory = store_factory
-        self._hooks = hooks
+        self._listener = listener
         self._default_interval = default_interval
         self._clock = clock
         self._leases: weakref.WeakValueDictionary[str, OwnedLease] = weakref.WeakValueDictionary()
@@ -161,7 +163,7 @@ class Heartbeat:
                 continue
             limit = lease.policy.max_task_duration
             if limit is not None and now - lease.started > limit:
-                self._hooks.duration_exceeded(lease)
+                self._listener.duration_exceeded(lease)
                 continue
             metrics.buffer.inc("owner_heartbeat_total")
             self._count_progress(lease)
@@ -174,7 +176,7 @@ class Heartbeat:
 
     @staticmethod
     def _count_progress(lease: OwnedLease) -> None:
-        count_lease_activity(lease)
+        lease.count_activity()
 
     def _flush_metrics(self) -> None:
         with contextlib.suppress(RedisError):
@@ -206,7 +208,7 @@ class Heartbeat:
                 allowed,
                 policy.on_stall,
             )
-            self._hooks.stalled(lease, bound, allowed, elapsed)
+            self._listener.stalled(lease, bound, allowed, elapsed)
         if policy.on_stall == "alert":
             lease.stalled_reported = True
             return True, True
@@ -220,7 +222,7 @@ class Heartbeat:
         if self._lapse(lease, "release", bound):
             lease.stalled_reported = True
             if self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s)"):
-                self._hooks.released(lease)
+                self._listener.released(lease)
         return False, True
 
     def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
@@ -275,7 +277,7 @@ class Heartbeat:
                 metrics.buffer.inc("owner_lease_renew_rejected_total")
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
         if renewed:
-            self._hooks.renewed(renewed)
+            self._listener.renewed(renewed)
 
     def _restore(self, lease: OwnedLease) -> bool:
         """Write back a lease whose hash vanished (eviction, FLUSH, a failover): True if done.
@@ -315,7 +317,7 @@ class Heartbeat:
         return True
 
     def _lose(self, lease: OwnedLease, reason: str) -> bool:
-        """Mark a lease lost, log it once and tell the hooks; True the first time."""
+        """Mark a lease lost, log it once and tell the listener; True the first time."""
         self.unregister(lease)
         if not lease.mark_lost(reason):
             return False
@@ -327,7 +329,7 @@ class Heartbeat:
             lease.token,
             reason,
         )
-        self._hooks.lost(lease, reason)
+        self._listener.lost(lease, reason)
         return True
 
     def _get_store(self) -> LeaseStore:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .store import LeaseStore
 
 __all__ = [
     "BUCKETS",
@@ -25,7 +27,6 @@ __all__ = [
     "HISTOGRAMS",
     "MetricsBuffer",
     "buffer",
-    "count_lease_activity",
     "gap_bucket",
     "gap_bucket_middle",
     "read_gaps",
@@ -117,6 +118,22 @@ class MetricsBuffer:
             series[-2] += value
             series[-1] += 1
 
+    def count_activity(
+        self, updates: int, stages: Sequence[tuple[str | None, float, float]], *, sample_gaps: bool
+    ) -> None:
+        """Count ``updates`` progress calls and the stages an attempt finished.
+
+        ``stages`` holds ``(stage, seconds in it, longest gap between progress calls)``; the
+        gaps are sampled for ``tune`` only when ``sample_gaps``.
+        """
+        if updates:
+            self.inc("owner_progress_update_total", updates)
+        for stage, seconds, gap in stages:
+            if stage is not None:
+                self.observe("owner_stage_duration_seconds", seconds, stage=stage)
+                if sample_gaps:
+                    self.sample_gap(stage, gap)
+
     def sample_gap(self, stage: str, seconds: float) -> None:
         """Record the longest gap between progress calls of one visit of ``stage``."""
         index = gap_bucket(seconds)
@@ -152,7 +169,7 @@ class MetricsBuffer:
             for key, value in deltas.items():
                 self._deltas[key] += value
 
-    def flush(self, store: Any) -> None:
+    def flush(self, store: LeaseStore) -> None:
         """Add the pending deltas to the cluster totals (one script call); keep them on error.
 
         Gap counts, when there are any, go in a second call; they are dropped on error
@@ -160,22 +177,18 @@ class MetricsBuffer:
         """
         gaps = self.take_gaps() if self._gaps else {}
         if gaps:
-            args: list[Any] = [MAX_GAP_FIELDS]
-            for stage, counts in gaps.items():
-                for index, count in counts.items():
-                    args += [f"{stage}|{index}", count]
+            counts = {
+                f"{stage}|{index}": count for stage, by_bucket in gaps.items() for index, count in by_bucket.items()
+            }
             try:
-                store.scripts.gaps(keys=[store.keys.gaps], args=args)
+                store.add_gaps(counts, max_fields=MAX_GAP_FIELDS)
             except Exception as exc:
                 logger.debug("gap samples dropped (%r)", exc)
         deltas = self.take()
         if not deltas:
             return
-        args = [MAX_METRIC_FIELDS]
-        for key, value in deltas.items():
-            args += [key, repr(float(value))]
         try:
-            store.scripts.metrics(keys=[store.keys.metrics], args=args)
+            store.add_metrics(deltas, max_fields=MAX_METRIC_FIELDS)
         except Exception as exc:
             logger.debug("metrics flush failed (%r); kept for the next one", exc)
             self.give_back(deltas)
@@ -213,44 +226,17 @@ def gap_bucket_middle(index: int) -> float:
 buffer = MetricsBuffer()
 
 
-def count_lease_activity(lease: Any, *, ended: bool = False) -> None:
-    """Count a lease's progress updates and finished stages since the last count.
-
-    Called by the heartbeat each tick, and once more when the attempt ends (``ended``),
-    which also closes the current stage.
-    """
-    version = lease.version
-    if version != lease.counted_version:
-        buffer.inc("owner_progress_update_total", version - lease.counted_version)
-        lease.counted_version = version
-    finished = lease.take_stage_log() if lease.stage_log else []
-    if ended and lease.stage is not None:
-        now = time.monotonic()
-        finished.append((lease.stage, now - lease.stage_started, max(lease.stage_gap, now - lease.last_progress)))
-        lease.stage_started = now
-        lease.stage_gap = 0.0
-    sample = lease.lost_reason is None  # a lost owner's last gap is its stall, not a sample
-    for stage, seconds, gap in finished:
-        if stage is not None:
-            buffer.observe("owner_stage_duration_seconds", seconds, stage=stage)
-            if sample:
-                buffer.sample_gap(stage, gap)
-
-
-def read_gaps(store: Any) -> dict[str, dict[int, int]]:
+def read_gaps(store: LeaseStore) -> dict[str, dict[int, int]]:
     """Per stage, the cluster's fine gap histogram: ``{stage: {bucket: count}}``."""
     gaps: dict[str, dict[int, int]] = defaultdict(dict)
-    for raw_field, raw_count in store.client.hgetall(store.keys.gaps).items():
-        field = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+    for field, count in store.gap_fields().items():
         stage, _, index = field.rpartition("|")
-        gaps[stage][int(index)] = int(raw_count)
+        gaps[stage][int(index)] = count
     return dict(gaps)
 
 
-def read_totals(store: Any) -> Iterator[tuple[str, str, float]]:
+def read_totals(store: LeaseStore) -> Iterator[tuple[str, str, float]]:
     """The cluster totals as ``(field, labels, value)``, from the metrics hash."""
-    for raw_key, raw_value in store.client.hgetall(store.keys.metrics).items():
-        key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-        value = float(raw_value)
-        name, _, rest = key.partition("|")
+    for field, value in store.metric_fields().items():
+        name, _, rest = field.partition("|")
         yield name, rest, value

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import metrics
 from .conf import TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
 
@@ -180,14 +181,30 @@ class OwnedLease:
 
     # -- the heartbeat's side -------------------------------------------------------------
 
-    def take_stage_log(self) -> list[tuple[str | None, float, float]]:
-        """Stages finished since the last call: ``[(stage, seconds in it, longest gap), …]``.
+    def take_activity(self, *, ended: bool = False) -> tuple[int, list[tuple[str | None, float, float]]]:
+        """Progress calls and finished stages since the last call.
 
-        The longest gap is the longest time between two progress calls while the stage was
-        current: what its deadline bounds.
+        Returns ``(progress calls, [(stage, seconds in it, longest gap), …])``. The longest
+        gap is the longest time between two progress calls while the stage was current: what
+        its deadline bounds. With ``ended`` (the attempt ends), the current stage is closed too.
         """
-        log, self.stage_log = self.stage_log, []
-        return log
+        version = self.version
+        updates, self.counted_version = version - self.counted_version, version
+        finished, self.stage_log = self.stage_log, []
+        if ended and self.stage is not None:
+            now = _monotonic()
+            finished.append((self.stage, now - self.stage_started, max(self.stage_gap, now - self.last_progress)))
+            self.stage_started = now
+            self.stage_gap = 0.0
+        return updates, finished
+
+    def count_activity(self, *, ended: bool = False) -> None:
+        """Hand :meth:`take_activity` to this process's metrics (each heartbeat tick, and at the end).
+
+        A lost owner's last gap is its stall, not a sample of how long the stage needs.
+        """
+        updates, finished = self.take_activity(ended=ended)
+        metrics.buffer.count_activity(updates, finished, sample_gaps=self.lost_reason is None)
 
     def mark_lost(self, reason: str) -> bool:
         """Mark the lease lost; True the first time (so callers report it once)."""

@@ -20,11 +20,12 @@ from celery import Celery, states
 from celery._state import _task_stack
 
 from . import events, metrics, signals
+from .apps import first_time
 from .calls import PUBLISH_ID_HEADER
 from .conf import DEFAULTS, check_settings_before_beat, ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
-from .lease import ClaimResult, LeaseState
-from .state import ClaimOutcome
+from .state import ClaimOutcome, ClaimResult, LeaseState
+from .store import lease_store_of
 
 __all__ = ["REAP_TASK_NAME", "ReapReport", "reap", "register_reaper_task", "request_reap", "resend"]
 
@@ -68,10 +69,8 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
     Returns:
         A :class:`ReapReport`; ``left`` counts due entries not looked at in this pass.
     """
+    store = lease_store_of(app, "reap()")
     backend = app.backend
-    store = getattr(backend, "lease_store", None)
-    if store is None:
-        raise TypeError(f"reap() needs the fenced result backend, not {type(backend).__name__}")
     conf = ensure_conf(app)
     now_ms = None if now is None else int(now * 1000)
     task_ids = store.due_task_ids(limit + 1, now_ms=now_ms)
@@ -210,9 +209,8 @@ def request_reap(app: Celery) -> None:
 
 def register_reaper_task(app: Celery) -> None:
     """Register ``celery_fenced.reap`` on ``app`` (idempotent)."""
-    if getattr(app, "_celery_fenced_reaper", False):
+    if not first_time(app, "reaper task"):
         return
-    app._celery_fenced_reaper = True
 
     def run_reaper() -> int:
         return reap(app).claimed
@@ -239,9 +237,8 @@ def install(app: Celery) -> None:
     """
     register_reaper_task(app)
     check_settings_before_beat(app)
-    if getattr(app, "_celery_fenced_installed", False):
+    if not first_time(app, "beat schedule"):
         return
-    app._celery_fenced_installed = True
 
     def add_schedule(**_: Any) -> None:
         try:

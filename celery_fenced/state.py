@@ -1,7 +1,7 @@
 """The values the lease store reads and answers: statuses, outcomes and the lease snapshot.
 
 Plain data, no Redis: :class:`LeaseState` is a read-only snapshot of one lease hash, the
-other classes are what :class:`~celery_fenced.lease.LeaseStore`'s methods take and return.
+other classes are what :class:`~celery_fenced.store.LeaseStore`'s methods take and return.
 Times are milliseconds of the Redis server's clock.
 """
 

@@ -25,12 +25,15 @@ from typing import Any, ClassVar
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 
-from . import attempt, worker
+from . import metrics
 from .conf import normalise_stage
 from .exceptions import LeaseLostError, StaleOwnerError
-from .lease import LeaseState
-from .metrics import buffer as metrics
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
+from .state import LeaseState
+from .store import is_fenced
+from .worker import lifecycle
+from .worker.attempt import attempt_of
+from .worker.hooks import connect_worker_hooks
 
 __all__ = ["ProgressLeasedTask", "StageBlock"]
 
@@ -85,7 +88,9 @@ class StageBlock:
         if self.block.first_chunk_at is None:
             self.block.first_chunk_at = time.monotonic()
             if self.block.kind == "stream":
-                metrics.observe("owner_ai_first_token_duration_seconds", self.block.first_chunk_at - self.block.started)
+                metrics.buffer.observe(
+                    "owner_ai_first_token_duration_seconds", self.block.first_chunk_at - self.block.started
+                )
         self.block.chunks += 1
         if self._lease is not None:
             self._lease.progress()
@@ -138,13 +143,13 @@ class ProgressLeasedTask(Task):
     fenced_task: ClassVar[bool] = True
 
     #: The worker's request class: its main-process writes name the owner's process.
-    Request = "celery_fenced.request:FencedRequest"
+    Request = "celery_fenced.worker.request:FencedRequest"
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
         """Connect the worker hooks of ``app`` when a fenced task is bound to it."""
         super().on_bound(app)
-        worker.connect_worker_hooks(app)
+        connect_worker_hooks(app)
 
     # -- the lease of the running attempt ---------------------------------------------------
 
@@ -155,7 +160,8 @@ class ProgressLeasedTask(Task):
                 f"{self.name}: progress(), stream(), deadline() and the lease exist only "
                 "while the task runs (called outside a running task)"
             )
-        return getattr(request, "fenced_lease", None)
+        attempt = attempt_of(request)
+        return attempt.lease if attempt is not None else None
 
     def progress(self, stage: str | None = None, **details: Any) -> None:
         """Record real progress of the body: sets the stage (when given) and moves its version.
@@ -214,10 +220,9 @@ class ProgressLeasedTask(Task):
     def lease(self) -> LeaseState | None:
         """A fresh snapshot of this task's shared lease state (one Redis read)."""
         task_id = self.request.id
-        store = getattr(self.backend, "lease_store", None)
-        if not task_id or store is None:
+        if not task_id or not is_fenced(self.app):
             return None
-        state: LeaseState | None = store.read(task_id)
+        state: LeaseState | None = self.backend.lease_store.read(task_id)
         return state
 
     def idempotency_key(self, step: str) -> str:
@@ -230,16 +235,17 @@ class ProgressLeasedTask(Task):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        error = getattr(request, "fenced_error", None)
-        if error is not None:
-            raise error
-        skip = getattr(request, "fenced_skip", None)
-        if skip == "unavailable":
-            attempt.send_again(self, request)
+        attempt = attempt_of(request)
+        if attempt is None:  # eager or direct call: no lease
+            return super().__call__(*args, **kwargs)
+        if attempt.error is not None:
+            raise attempt.error
+        if attempt.skip == "unavailable":
+            lifecycle.send_again(self, request)
             raise Ignore()
-        if skip:
+        if attempt.skip:
             raise Ignore()
-        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
+        lease = attempt.lease
         if lease is None:
             return super().__call__(*args, **kwargs)
         try:
@@ -249,14 +255,14 @@ class ProgressLeasedTask(Task):
                 retval = self.run(*args, **kwargs)
             finally:
                 # An interrupt that lands while this runs is handled below like one in the body.
-                attempt.body_finished(lease)
+                lifecycle.body_finished(lease)
         except Reject as exc:
-            request.fenced_reject_requeue = bool(exc.requeue)
+            attempt.reject_requeue = bool(exc.requeue)
             if not exc.requeue and lease.lost_reason is None and not lease.ended:
-                attempt.store_rejection(self, request, exc)
+                lifecycle.store_rejection(self, request, exc)
             raise
         except Exception as exc:
-            if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and attempt.still_owner(self, lease):
+            if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and lifecycle.still_owner(self, lease):
                 # One of the body's own fenced writes met a newer token of another task: the
                 # task still owns its lease, so this is its error, stored as its FAILURE.
                 raise
@@ -271,8 +277,8 @@ class ProgressLeasedTask(Task):
         if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
             # Celery sends callbacks and the next chain step *before* it stores the result,
             # so the store's fence alone cannot stop a zombie's chain: check now.
-            attempt.still_owner(self, lease)
-        if lease.lost_reason is not None and not attempt.store_late_result(self, request, retval):
+            lifecycle.still_owner(self, lease)
+        if lease.lost_reason is not None and not lifecycle.store_late_result(self, attempt, request, retval):
             # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
             # event that would show the task on the zombie's worker again.
             raise Ignore()
@@ -285,9 +291,9 @@ class ProgressLeasedTask(Task):
         new, higher token). An owner that lost its lease sends nothing.
         """
         request = self.request
-        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
-        if lease is not None and not request.is_eager:
-            attempt.hand_off(self, lease)
+        attempt = attempt_of(request)
+        if attempt is not None and attempt.lease is not None and not request.is_eager:
+            lifecycle.hand_off(self, attempt.lease)
         return super().on_replace(sig)
 
     def retry(
@@ -313,12 +319,13 @@ class ProgressLeasedTask(Task):
         else:
             delay = float(self.default_retry_delay or 0)
         request = self.request
-        with contextlib.suppress(AttributeError):
-            request.fenced_retry_delay = delay
-        lease: OwnedLease | None = getattr(request, "fenced_lease", None)
+        attempt = attempt_of(request)
+        if attempt is not None:
+            attempt.retry_delay = delay
+        lease = attempt.lease if attempt is not None else None
         limit = self.max_retries if max_retries is None else max_retries
         if lease is not None and not request.called_directly and (limit is None or request.retries + 1 <= limit):
-            attempt.retry_due(self, lease, delay)
+            lifecycle.retry_due(self, lease, delay)
         return super().retry(
             args=args,
             kwargs=kwargs,

@@ -193,7 +193,7 @@ def test_the_plain_app_of_a_module_with_a_fenced_app_starts_and_runs(cluster: Cl
         assert "shared into app 'plain_side'" in proc.log()
         # A fenced task sent to the plain app's worker fails at once, naming what is wrong.
         copy = plain.send_task("tests.integration.apps.two_apps.leased", (1,), queue="plain")
-        with pytest.raises(ConfigurationError, match="needs result_backend"):
+        with pytest.raises(ConfigurationError, match="needs the fenced result backend"):
             copy.get(timeout=20)
     finally:  # this app's connections are this test's: close them, not the garbage collector
         plain.backend.result_consumer.stop()

@@ -10,14 +10,14 @@ import redis
 from celery_fenced.conf import FencedConfig
 from celery_fenced.heartbeat import Heartbeat
 from celery_fenced.keys import KeySpace
-from celery_fenced.lease import LeaseStore
 from celery_fenced.owner import OwnedLease
+from celery_fenced.store import LeaseStore
 
 OWNER = "host/1/a"
 
 
-class RecordingHooks:
-    """Records the losses the heartbeat reports (a worker's hooks send signals and events)."""
+class RecordingListener:
+    """Records the losses the heartbeat reports (a worker's listener sends signals and events)."""
 
     def __init__(self) -> None:
         self.losses: list[tuple[str, str]] = []
@@ -57,8 +57,8 @@ def owned(store: LeaseStore, task_id: str) -> OwnedLease:
     )
 
 
-def heartbeat(store: LeaseStore, hooks: RecordingHooks, *leases: OwnedLease) -> Heartbeat:
-    beat = Heartbeat(store_factory=lambda: store, hooks=hooks, default_interval=60)
+def heartbeat(store: LeaseStore, listener: RecordingListener, *leases: OwnedLease) -> Heartbeat:
+    beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60)
     for lease in leases:
         beat._leases[lease.owner_id] = lease  # served, without starting the thread: tick() by hand
     return beat
@@ -74,46 +74,46 @@ def store_success(store: LeaseStore, lease: OwnedLease) -> None:
 def test_a_renewal_racing_the_owners_own_result_write_is_not_a_loss(
     store: LeaseStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    hooks = RecordingHooks()
+    listener = RecordingListener()
     lease = owned(store, "t1")
-    beat = heartbeat(store, hooks, lease)
+    beat = heartbeat(store, listener, lease)
     lease.body_done = True  # the body returned; its SUCCESS write lands before the tick's renewal
     store_success(store, lease)
     with caplog.at_level(logging.WARNING, logger="celery_fenced.heartbeat"):
         beat.tick()
-    assert hooks.losses == []
+    assert listener.losses == []
     assert lease.lost_reason is None
     assert "lease lost" not in caplog.text
     assert beat.leases() == []  # no longer served
 
 
 def test_a_lease_ended_by_someone_else_while_the_body_runs_is_lost(store: LeaseStore) -> None:
-    hooks = RecordingHooks()
+    listener = RecordingListener()
     lease = owned(store, "t2")
-    beat = heartbeat(store, hooks, lease)
+    beat = heartbeat(store, listener, lease)
     store_success(store, lease)  # as a cancel would: the lease ends under a running body
     beat.tick()
-    assert hooks.losses == [("t2", "renewal refused: the task was ended (result stored or cancelled)")]
+    assert listener.losses == [("t2", "renewal refused: the task was ended (result stored or cancelled)")]
     assert lease.lost_reason is not None
 
 
 def test_a_vanished_lease_is_written_back_by_its_live_owner(store: LeaseStore, redis_client: redis.Redis) -> None:
-    hooks = RecordingHooks()
+    listener = RecordingListener()
     lease = owned(store, "t3")
     lease.call = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "q"}}
-    beat = heartbeat(store, hooks, lease)
+    beat = heartbeat(store, listener, lease)
     redis_client.delete(store.keys.lease("t3"))  # evicted, flushed, or lost in a failover
     beat.tick()
-    assert hooks.losses == [] and lease.lost_reason is None
+    assert listener.losses == [] and lease.lost_reason is None
     state = store.read("t3")
     assert state is not None and state.status == "RUNNING" and state.owner_token == lease.token
     assert state.call == lease.call and "restoredAt" in state.raw  # the reaper can still re-send it
 
 
 def test_a_renewal_racing_a_hand_off_does_not_write_the_lease_back(store: LeaseStore) -> None:
-    hooks = RecordingHooks()
+    listener = RecordingListener()
     lease = owned(store, "t4")
-    beat = heartbeat(store, hooks, lease)
+    beat = heartbeat(store, listener, lease)
     lease.ended = True  # replace(): the attempt ends its lease, then hands the task id off
     assert store.hand_off("t4", OWNER, lease.token) == "ok"
     beat._renew([(lease, False)])  # a renewal that was already on its way

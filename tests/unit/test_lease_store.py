@@ -13,12 +13,8 @@ from redis.crc import key_slot
 
 from celery_fenced.exceptions import LeaseScriptError
 from celery_fenced.keys import KeySpace
-from celery_fenced.lease import (
-    AcquireOutcome,
-    LeaseStatus,
-    LeaseStore,
-    RenewRequest,
-)
+from celery_fenced.state import AcquireOutcome, LeaseStatus, RenewRequest
+from celery_fenced.store import LeaseStore
 
 TTL = 3000
 

@@ -51,7 +51,7 @@ def test_new_stage_series_past_the_bound_are_counted_under_other(
 ) -> None:
     from celery_fenced import metrics
     from celery_fenced.keys import KeySpace
-    from celery_fenced.lease import LeaseStore
+    from celery_fenced.store import LeaseStore
 
     store = LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
     monkeypatch.setattr(metrics, "MAX_METRIC_FIELDS", 20)

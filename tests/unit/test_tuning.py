@@ -17,9 +17,9 @@ import redis
 from celery_fenced import metrics
 from celery_fenced.conf import FencedConfig
 from celery_fenced.keys import KeySpace
-from celery_fenced.lease import LeaseStore
-from celery_fenced.metrics import MetricsBuffer, count_lease_activity, gap_bucket, read_gaps
+from celery_fenced.metrics import MetricsBuffer, gap_bucket, read_gaps
 from celery_fenced.owner import OwnedLease
+from celery_fenced.store import LeaseStore
 from celery_fenced.tuning import quantile, suggest
 
 FLOOR, FACTOR = 0.1, 3.0
@@ -78,7 +78,6 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
 ) -> None:
     clock = [100.0]
     monkeypatch.setattr("celery_fenced.owner._monotonic", lambda: clock[0])
-    monkeypatch.setattr("celery_fenced.metrics.time.monotonic", lambda: clock[0])
     buffer = MetricsBuffer()
     monkeypatch.setattr(metrics, "buffer", buffer)
     policy = FencedConfig.from_mapping({}).policy
@@ -90,7 +89,7 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
     clock[0] += 0.5
     lease.progress("call-ai")
     clock[0] += 3.0  # the last stage's final gap, up to the end of the attempt
-    count_lease_activity(lease, ended=True)
+    lease.count_activity(ended=True)
     gaps = buffer.take_gaps()
     assert gaps == {"load-data": {gap_bucket(4.0): 1}, "call-ai": {gap_bucket(3.0): 1}}
     deltas = buffer.take()
@@ -104,7 +103,7 @@ def test_a_lost_owner_gives_no_sample_of_its_stall(monkeypatch: pytest.MonkeyPat
     lease = OwnedLease("t1", "proj.task", "host/1/a", 1, 1, 0, policy)
     lease.progress("load-data")
     lease.mark_lost("taken over")
-    count_lease_activity(lease, ended=True)
+    lease.count_activity(ended=True)
     assert buffer.take_gaps() == {}
 
 

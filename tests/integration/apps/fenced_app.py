@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_fenced import LeaseLostError, ProgressLeasedTask, install
+from celery_fenced.worker.attempt import attempt_of
 
 app = Celery("fenced_app")
 app.conf.update(
@@ -56,12 +57,18 @@ def record() -> redis.Redis:
     return _record
 
 
+def attempt_number(task: Any) -> int:
+    """Which execution of its task id this attempt is (0 without a lease)."""
+    attempt = attempt_of(task.request)
+    return attempt.lease.attempt if attempt is not None and attempt.lease is not None else 0
+
+
 def note_run(task: Any, **extra: Any) -> None:
     entry = {
         "pid": os.getpid(),
         "hostname": task.request.hostname,
         "token": task.fencing_token,
-        "attempt": task.request.get("fenced_lease").attempt if task.request.get("fenced_lease") else 0,
+        "attempt": attempt_number(task),
         **extra,
     }
     record().rpush(f"runs:{task.request.id}", json.dumps(entry))

@@ -1,7 +1,7 @@
 """The lease store: every change to the shared lease state in Redis, one script each.
 
-The values it reads and answers (:class:`LeaseState` and the outcome types) live in
-:mod:`celery_fenced.state` and are re-exported here.
+The values it reads and answers (:class:`~celery_fenced.state.LeaseState` and the outcome
+types) live in :mod:`celery_fenced.state`.
 
 :class:`LeaseStore` runs the scripts of :mod:`celery_fenced.scripts`, one atomic script
 per change of ownership or status, and maps their return codes to named outcomes.
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from kombu.utils import json
 
-from .exceptions import LeaseScriptError
+from .exceptions import ConfigurationError, LeaseScriptError
 from .keys import KeySpace
 from .scripts import ScriptSet
 from .state import (
@@ -40,16 +40,7 @@ from .state import (
     as_text,
 )
 
-__all__ = [
-    "AcquireOutcome",
-    "AcquireResult",
-    "ClaimResult",
-    "LeaseState",
-    "LeaseStatus",
-    "LeaseStore",
-    "RenewRequest",
-    "StoreResult",
-]
+__all__ = ["LeaseStore", "is_fenced", "lease_store_of", "outcome"]
 
 
 #: kombu's JSON (datetimes, UUIDs, Decimals and bytes survive the round trip, as in Celery's
@@ -406,3 +397,49 @@ class LeaseStore:
         """The Redis server's clock in milliseconds."""
         seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000
+
+    # -- the cluster's metrics ----------------------------------------------------------
+
+    def add_metrics(self, deltas: Mapping[str, float], *, max_fields: int) -> None:
+        """Add one process's counter and histogram deltas to the cluster totals (one script call)."""
+        args: list[Any] = [max_fields]
+        for field, value in deltas.items():
+            args += [field, repr(float(value))]
+        self.scripts.metrics(keys=[self.keys.metrics], args=args)
+
+    def add_gaps(self, counts: Mapping[str, int], *, max_fields: int) -> None:
+        """Add gap samples (``"stage|bucket" → count``) to the cluster's fine histograms."""
+        args: list[Any] = [max_fields]
+        for field, count in counts.items():
+            args += [field, count]
+        self.scripts.gaps(keys=[self.keys.gaps], args=args)
+
+    def metric_fields(self) -> dict[str, float]:
+        """The cluster totals: ``"name|labels[|part]" → value``."""
+        return {as_text(k): float(v) for k, v in self.client.hgetall(self.keys.metrics).items()}
+
+    def gap_fields(self) -> dict[str, int]:
+        """The cluster's gap samples: ``"stage|bucket" → count``."""
+        return {as_text(k): int(v) for k, v in self.client.hgetall(self.keys.gaps).items()}
+
+
+def is_fenced(app: Any) -> bool:
+    """Whether ``app``'s result backend is the fenced one (it builds the backend if need be)."""
+    return isinstance(getattr(app.backend, "lease_store", None), LeaseStore)
+
+
+def lease_store_of(app: Any, needed_by: str) -> LeaseStore:
+    """The lease store of ``app``'s fenced result backend.
+
+    Raises:
+        ConfigurationError: the result backend is another one; the message names
+            ``needed_by`` (what needs the leases) and the backend in use.
+    """
+    backend = app.backend
+    store = getattr(backend, "lease_store", None)
+    if not isinstance(store, LeaseStore):
+        raise ConfigurationError(
+            f"{needed_by} needs the fenced result backend, but result_backend is "
+            f"{type(backend).__name__} ({backend.as_uri()!s}): set result_backend = 'fenced+redis://HOST:PORT/DB'"
+        )
+    return store

@@ -22,19 +22,21 @@ from celery import Celery, bootsteps, signals
 from celery._state import _get_active_apps
 from redis.exceptions import RedisError, ResponseError
 
-from . import events
-from .attempt import acquire, release, stop_heartbeats
-from .backend import FencedRedisBackend
-from .calls import tag_publish
-from .conf import ensure_conf
-from .exceptions import ConfigurationError
-from .hooks import install_interrupt_handler, set_pool_kind
-from .reaper import REAP_TASK_NAME, register_reaper_task
+from .. import events
+from ..apps import first_time
+from ..calls import tag_publish
+from ..conf import ensure_conf
+from ..exceptions import ConfigurationError
+from ..reaper import REAP_TASK_NAME, register_reaper_task
+from ..store import is_fenced, lease_store_of
+from .attempt import begin
+from .interrupt import install_interrupt_handler, set_pool_kind
+from .lifecycle import acquire, release, stop_heartbeats
 from .reaper_thread import ReaperThread
 
 __all__ = ["check_worker", "connect_worker_hooks"]
 
-logger = logging.getLogger("celery_fenced.worker")
+logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
@@ -46,9 +48,8 @@ _eviction_checked: set[Celery] = set()
 
 def connect_worker_hooks(app: Celery) -> None:
     """Connect the receivers and the bootstep for ``app`` (idempotent)."""
-    if getattr(app, "_celery_fenced_hooks", False):
+    if not first_time(app, "worker hooks"):
         return
-    app._celery_fenced_hooks = True
     signals.before_task_publish.connect(tag_publish, weak=False, dispatch_uid="celery_fenced.publish")
     signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
     signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
@@ -77,7 +78,7 @@ def _shared_from_fenced_apps(app: Celery, names: list[str]) -> set[str]:
         if other is app:
             continue
         try:
-            if not isinstance(other.backend, FencedRedisBackend):
+            if not is_fenced(other):
                 continue
             shared |= set(names) & set(other.tasks)
         except Exception:  # an app that cannot be finalized or configured here is not the owner
@@ -100,23 +101,18 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
             f"celery-fenced does not support the {kind} pool yet: its heartbeat thread and the "
             "interrupt of a stalled body need real threads. Use the prefork, threads or solo pool."
         )
-    backend = app.backend
-    if not isinstance(backend, FencedRedisBackend):
+    if not is_fenced(app):
         fenced = sorted(name for name, task in app._tasks.items() if _is_fenced(task))
         shared = _shared_from_fenced_apps(app, fenced)
         if set(fenced) - shared:
-            raise ConfigurationError(
-                f"ProgressLeasedTask needs the fenced result backend, but result_backend is "
-                f"{type(backend).__name__} ({backend.as_uri()!s}): set "
-                "result_backend = 'fenced+redis://HOST:PORT/DB'"
-            )
+            lease_store_of(app, "ProgressLeasedTask")  # raises, naming the backend in use
         if shared:
             logger.warning(
                 "fenced tasks %s are shared into app %r from an app with the fenced backend; this "
                 "worker's backend is %s, so they fail here if they are sent to it",
                 ", ".join(sorted(shared)),
                 app.main,
-                type(backend).__name__,
+                type(app.backend).__name__,
             )
         return
     conf = ensure_conf(app)
@@ -145,7 +141,7 @@ class FencedWorkerStep(bootsteps.StartStopStep):
     def start(self, parent: Any) -> None:
         set_pool_kind(pool_kind_of(parent.pool_cls))
         app = parent.app
-        if not isinstance(app.backend, FencedRedisBackend):
+        if not is_fenced(app):
             return
         if lease_redis_reachable(app):
             warn_if_redis_can_evict(app)
@@ -261,14 +257,15 @@ def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, *
     if request.is_eager or request.called_directly:
         return
     install_interrupt_handler()
+    attempt = begin(request)
     try:
-        acquire(task, request)
+        acquire(task, request, attempt)
     except ConfigurationError as exc:
         # Not a passing fault: sending it again would loop. The body raises it instead, so
         # the task ends as a FAILURE naming what is wrong.
-        request.fenced_error = exc
+        attempt.error = exc
     except Exception:
-        request.fenced_skip = "unavailable"
+        attempt.skip = "unavailable"
         logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)
 
 

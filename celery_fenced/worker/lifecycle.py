@@ -1,11 +1,13 @@
-"""One attempt of a fenced task in a worker process: take its lease, serve it, end it.
+"""The life of an attempt's lease in a worker process: take it, serve it, end it.
 
 * :func:`acquire` takes the lease before the body runs (from ``task_prerun``), so Celery's
   STARTED write already carries the token; a duplicate or finished delivery is marked to be
   skipped.
 * The process's :class:`~celery_fenced.heartbeat.Heartbeat` serves every lease it holds;
-  :class:`~celery_fenced.hooks.WorkerHooks` turns what it finds into signals, events, reaps
-  and interrupts.
+  :class:`~celery_fenced.worker.listener.WorkerListener` turns what it finds into signals,
+  events, reaps and interrupts.
+* The body ends it by a result write (see :meth:`~celery_fenced.worker.attempt.Attempt.result_written`),
+  or hands it to a replacement (:func:`hand_off`) or a retry (:func:`retry_due`).
 * :func:`release` ends a lease that no result write ended (ignored results, ``Ignore``,
   ``Reject``, retries with ignored results).
 """
@@ -25,21 +27,32 @@ from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 from redis.exceptions import RedisError
 
-from . import signals as fenced_signals
-from .backend import FencedRedisBackend
-from .calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
-from .conf import TaskPolicy, ensure_conf
-from .exceptions import ConfigurationError, LeaseLostError
-from .heartbeat import Heartbeat
-from .hooks import WorkerHooks, send_lease_event
-from .lease import LeaseStatus
-from .metrics import count_lease_activity
-from .owner import OwnedLease, current_lease, set_current_lease
-from .state import ReleaseOutcome
+from .. import signals as fenced_signals
+from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
+from ..conf import TaskPolicy, ensure_conf
+from ..exceptions import LeaseLostError
+from ..heartbeat import Heartbeat
+from ..owner import OwnedLease, current_lease, set_current_lease
+from ..state import LeaseStatus, ReleaseOutcome
+from ..store import lease_store_of
+from .attempt import Attempt, attempt_of
+from .listener import WorkerListener, send_lease_event
 
-__all__ = ["acquire", "heartbeat_for", "release", "stop_heartbeats"]
+__all__ = [
+    "acquire",
+    "body_finished",
+    "hand_off",
+    "heartbeat_for",
+    "release",
+    "retry_due",
+    "send_again",
+    "still_owner",
+    "stop_heartbeats",
+    "store_late_result",
+    "store_rejection",
+]
 
-logger = logging.getLogger("celery_fenced.attempt")
+logger = logging.getLogger(__name__)
 
 # Keyed by the app object itself (not its id(), which a later app could reuse).
 _heartbeats: dict[tuple[int, Celery], Heartbeat] = {}
@@ -61,7 +74,7 @@ def heartbeat_for(app: Celery, create: bool = True) -> Heartbeat | None:
                     del _heartbeats[stale]  # copied from the parent by fork: no thread here
                 heartbeat = Heartbeat(
                     store_factory=lambda: app.backend.lease_store,
-                    hooks=WorkerHooks(app),
+                    listener=WorkerListener(app),
                     default_interval=ensure_conf(app).policy.heartbeat_interval,
                 )
                 _heartbeats[key] = heartbeat
@@ -105,7 +118,7 @@ def still_owner(task: Any, lease: OwnedLease) -> bool:
     return False
 
 
-def store_late_result(task: Any, request: Any, retval: Any) -> bool:
+def store_late_result(task: Any, attempt: Attempt, request: Any, retval: Any) -> bool:
     """Try the result of an owner whose lease was lost through the fence; True if it landed.
 
     It lands only if no newer token owns the task (the loss was local: no renewal came
@@ -119,8 +132,8 @@ def store_late_result(task: Any, request: Any, retval: Any) -> bool:
     except Exception:
         logger.exception("could not store the late result of task %s", request.id)
         return False
-    if getattr(request, "fenced_write", None) == "stored":
-        request.fenced_result_stored = True  # the trace's own write of it is skipped
+    if attempt.write == "stored":
+        attempt.result_stored = True  # the trace's own write of it is skipped
         return True
     return False
 
@@ -137,7 +150,7 @@ def _stop_serving(task: Any, lease: OwnedLease) -> bool:
             lease.ended = True
             return False
         lease.ended = True
-    count_lease_activity(lease, ended=True)
+    lease.count_activity(ended=True)
     return True
 
 
@@ -219,17 +232,21 @@ def _policy(task: Any) -> TaskPolicy:
     return policy
 
 
-def acquire(task: Any, request: Any) -> OwnedLease | None:
-    """Take the lease for this delivery, or mark the request to be skipped."""
+def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
+    """Take the lease for this delivery, or mark the attempt to be skipped.
+
+    Raises:
+        ConfigurationError: the app's result backend is not the fenced one, or the task's
+            lease options cannot work.
+    """
+    store = lease_store_of(task.app, task.name)
     backend = task.backend
-    if not isinstance(backend, FencedRedisBackend):
-        raise ConfigurationError(f"{task.name} needs result_backend = 'fenced+redis://…'")
     policy = _policy(task)
     owner_id = f"{request.hostname or socket.gethostname()}/{next_attempt_id()}"
     call = recorded_call(task, request)
     started = time.monotonic()
     acquire_once = partial(
-        backend.lease_store.acquire,
+        store.acquire,
         request.id,
         owner_id,
         ttl_ms=policy.lease_ttl_ms,
@@ -245,7 +262,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         acquire_once.keywords["call"] = None
         result = backend.retrying(acquire_once)
     if not result.outcome.runs:
-        request.fenced_skip = result.outcome.value
+        attempt.skip = result.outcome.value
         state = result.state
         logger.info(
             "task %s[%s] not run: %s delivery (lease %s, owner %s, token %s)",
@@ -271,7 +288,7 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
         renewed=started,
         started=started,
     )
-    request.fenced_lease = lease
+    attempt.lease = lease
     set_current_lease(lease)
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None
@@ -300,17 +317,17 @@ def acquire(task: Any, request: Any) -> OwnedLease | None:
 
 def release(task: Any, request: Any, state: str | None) -> None:
     """End a lease that no result write ended."""
-    lease: OwnedLease | None = getattr(request, "fenced_lease", None)
-    if lease is None or not _stop_serving(task, lease):
+    attempt = attempt_of(request)
+    lease = attempt.lease if attempt is not None else None
+    if attempt is None or lease is None or not _stop_serving(task, lease):
         return
     conf = ensure_conf(task.app)
     backend = task.backend
     due_ms = 0
     if state == celery_states.RETRY:
         target = LeaseStatus.RETRYING
-        delay = float(getattr(request, "fenced_retry_delay", 0) or 0)
-        due_ms = int((delay + conf.requeue_timeout) * 1000)
-    elif state == celery_states.REJECTED and getattr(request, "fenced_reject_requeue", False):
+        due_ms = int((attempt.retry_delay + conf.requeue_timeout) * 1000)
+    elif state == celery_states.REJECTED and attempt.reject_requeue:
         target = LeaseStatus.REQUEUED
         due_ms = int(conf.requeue_timeout * 1000)
     else:

@@ -31,8 +31,8 @@ import threading
 
 from celery import Celery
 
-from .conf import ensure_conf
-from .reaper import reap
+from ..conf import ensure_conf
+from ..reaper import reap
 
 __all__ = ["ReaperThread"]
 

@@ -32,7 +32,7 @@ def populate(store, size: int, lapsed: int) -> None:  # type: ignore[no-untyped-
     for i in range(0, size, size // lapsed):
         keys = [store.keys.lease(f"t{i}"), store.keys.index]
         token = int(client.hget(store.keys.lease(f"t{i}"), "ownerToken"))
-        store.scripts.lapse(keys=keys, args=["bench/1/a", token, "release", "stalled"], client=pipe)
+        store.scripts.lapse(keys=keys, args=["bench/1/a", token, "release"], client=pipe)
     pipe.execute()
 
 

@@ -39,7 +39,8 @@ def tracer_loop(which: str) -> Any:
     from celery.app.trace import build_tracer
 
     from benchmarks import bench_app, bench_plain
-    from celery_fenced import attempt, events
+    from celery_fenced import events
+    from celery_fenced.worker import lifecycle
 
     time.sleep = lambda seconds: None  # type: ignore[assignment]  # the body's sleep is not measured
     # Logging as a worker run with "-l INFO" does it (Celery logs each task's success).
@@ -72,7 +73,7 @@ def tracer_loop(which: str) -> Any:
 
     for _ in range(WARM_UP):
         once()
-    attempt.stop_heartbeats()  # the heartbeat thread's ticks are not the task's path
+    lifecycle.stop_heartbeats()  # the heartbeat thread's ticks are not the task's path
     return once
 
 

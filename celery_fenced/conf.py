@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -82,14 +82,23 @@ def normalise_stage(stage: str) -> str:
     return stage.strip().lower().replace("_", "-")
 
 
-def _positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+def positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """``value`` as seconds, or :class:`ValueError` naming ``name`` unless it is a positive
+    finite number (``None`` passes when ``allow_none``)."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def _positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    try:
+        return positive_seconds(name, value, allow_none=allow_none)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def _non_negative_seconds(name: str, value: Any) -> float:
@@ -239,16 +248,29 @@ def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
     )
 
 
-def read_settings(app: Celery) -> dict[str, Any]:
-    """Read every ``fenced_*`` setting of ``app`` (``CELERY_FENCED_*`` found too)."""
+def _read(lookup: Callable[[str], Any], spellings: Iterable[Callable[[str], str]]) -> dict[str, Any]:
+    """Every setting of :data:`DEFAULTS` that ``lookup`` finds under one of its ``spellings``."""
     found: dict[str, Any] = {}
     for key in DEFAULTS:
-        value = app.conf.get(key, _MISSING)
-        if value is _MISSING:
-            value = app.conf.get(key.upper(), _MISSING)
-        if value is not _MISSING:
-            found[key] = value
+        for spell in spellings:
+            value = lookup(spell(key))
+            if value is not _MISSING:
+                found[key] = value
+                break
     return found
+
+
+def read_settings(app: Celery) -> dict[str, Any]:
+    """Read every ``fenced_*`` setting of ``app`` (``FENCED_*`` found too)."""
+    return _read(lambda name: app.conf.get(name, _MISSING), (str, str.upper))
+
+
+def check_django_settings(settings: Any) -> FencedConfig:
+    """Validate the ``CELERY_FENCED_*`` settings of a Django project (Celery's ``CELERY``
+    namespace), so a bad one stops Django at start with its name."""
+    return FencedConfig.from_mapping(
+        _read(lambda name: getattr(settings, name, _MISSING), (lambda key: f"CELERY_{key.upper()}",))
+    )
 
 
 _MISSING = object()

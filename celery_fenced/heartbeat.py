@@ -227,7 +227,7 @@ class Heartbeat:
 
     def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
         try:
-            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, reason="stalled")
+            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode)
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False

@@ -21,7 +21,7 @@ __all__ = [
     "CancelOutcome",
     "ClaimOutcome",
     "ClaimResult",
-    "ExpireOutcome",
+    "LapseNowOutcome",
     "LapseOutcome",
     "LeaseState",
     "LeaseStatus",
@@ -135,10 +135,10 @@ class RedriveOutcome(StrEnum):
     MISSING = "missing"
 
 
-class ExpireOutcome(StrEnum):
-    """What ``expire.lua`` (an operator's or a test's "due now") answered."""
+class LapseNowOutcome(StrEnum):
+    """What ``lapse_now.lua`` (an operator's or a test's "due now") answered."""
 
-    EXPIRED = "expired"
+    LAPSED = "lapsed"
     NOT_LIVE = "not-live"
     MISSING = "missing"
 
@@ -160,7 +160,7 @@ SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "claim": ClaimOutcome,
     "cancel": CancelOutcome,
     "redrive": RedriveOutcome,
-    "expire": ExpireOutcome,
+    "lapse_now": LapseNowOutcome,
     "restore": RestoreOutcome,
 }
 

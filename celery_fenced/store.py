@@ -26,7 +26,7 @@ from .state import (
     CancelOutcome,
     ClaimOutcome,
     ClaimResult,
-    ExpireOutcome,
+    LapseNowOutcome,
     LapseOutcome,
     LeaseState,
     LeaseStatus,
@@ -151,12 +151,12 @@ class LeaseStore:
         codes = self.scripts.renew(keys=keys, args=args)
         return [outcome(RenewOutcome, "renew", code) for code in codes]
 
-    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str, reason: str) -> LapseOutcome:
+    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str) -> LapseOutcome:
         """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out."""
         if mode not in ("release", "expire"):
             raise ValueError(f"mode must be 'release' or 'expire', got {mode!r}")
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        answer = self.scripts.lapse(keys=keys, args=[owner_id, _require_token(token), mode, reason])
+        answer = self.scripts.lapse(keys=keys, args=[owner_id, _require_token(token), mode])
         return outcome(LapseOutcome, "lapse", answer[0])
 
     def release(
@@ -323,15 +323,15 @@ class LeaseStore:
         ]
         return outcome(RedriveOutcome, "redrive", self.scripts.redrive(keys=keys, args=[])[0])
 
-    def expire_now(self, task_id: str) -> ExpireOutcome:
+    def lapse_now(self, task_id: str) -> LapseNowOutcome:
         """Make a live lease due for takeover now, as if its owner were gone (for operators and tests).
 
         The lease is given up (``LAPSED``), so its owner, if alive, cannot renew it back
         before the reaper's next pass; that owner's next renewal is refused. Returns
-        ``"expired"``, ``"not-live"`` or ``"missing"``.
+        ``"lapsed"``, ``"not-live"`` or ``"missing"``.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        return outcome(ExpireOutcome, "expire", self.scripts.expire(keys=keys, args=[])[0])
+        return outcome(LapseNowOutcome, "lapse_now", self.scripts.lapse_now(keys=keys, args=[])[0])
 
     # -- reads --------------------------------------------------------------------------
 

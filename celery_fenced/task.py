@@ -26,7 +26,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 
 from . import metrics
-from .conf import normalise_stage
+from .conf import normalise_stage, positive_seconds
 from .exceptions import LeaseLostError, StaleOwnerError
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
 from .state import LeaseState
@@ -55,9 +55,9 @@ class StageBlock:
         idle: float,
         total: float | None,
     ) -> None:
-        for name, value in (("first_token_timeout", first), ("idle_timeout", idle), ("total_timeout", total)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        positive_seconds("first_token_timeout", first)
+        positive_seconds("idle_timeout", idle)
+        positive_seconds("total_timeout", total, allow_none=True)
         self._lease = lease
         self.stage = normalise_stage(stage)
         self.block = StageDeadline(

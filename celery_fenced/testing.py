@@ -9,7 +9,7 @@ Fixtures, all prefixed ``fenced_`` so they never clash with pytest-celery's:
 * ``fenced_worker`` — an in-process worker (threads pool) from ``celery.contrib.testing``;
   call ``fenced_worker.reload()`` after defining tasks inside a test; when it stops it waits
   (up to 10 s) for the tasks a test left running;
-* ``fenced_helpers`` — :class:`FencedHelpers`: read a lease, expire it now, make a stage stall,
+* ``fenced_helpers`` — :class:`FencedHelpers`: read a lease, lapse it now, make a stage stall,
   run the reaper once, check that a stale write is refused.
 
 Nothing here is imported by the package itself; heavy imports happen inside the fixtures, so
@@ -176,14 +176,14 @@ class FencedHelpers:
                 raise AssertionError(f"lease of {task_id} is {getattr(state, 'status', None)}, not {status}")
             time.sleep(0.02)
 
-    def expire_now(self, task_id: str) -> str:
+    def lapse_now(self, task_id: str) -> str:
         """Make the task's lease due for takeover now, as if its owner were gone.
 
         The owner's renewals are refused from now on, so the next :meth:`reap` takes the task
-        over (cause ``gone``) even while the body is still running. Returns ``"expired"``,
+        over (cause ``gone``) even while the body is still running. Returns ``"lapsed"``,
         ``"not-live"`` or ``"missing"``.
         """
-        return str(self.store.expire_now(task_id))
+        return str(self.store.lapse_now(task_id))
 
     def reap(self) -> Any:
         """Run one reaper pass; returns its ``ReapReport``."""
@@ -285,5 +285,5 @@ def fenced_worker(fenced_app: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def fenced_helpers(fenced_app: Any) -> FencedHelpers:
-    """Helpers: ``lease``, ``expire_now``, ``stall_at``, ``reap``, ``assert_stale_write_refused``."""
+    """Helpers: ``lease``, ``lapse_now``, ``stall_at``, ``reap``, ``assert_stale_write_refused``."""
     return FencedHelpers(fenced_app)

@@ -49,7 +49,7 @@ end
 
 local cause
 if status == 'LAPSED' then
-  if f[6] == 'worker-lost' or f[6] == 'expired' then
+  if f[6] == 'worker-lost' or f[6] == 'gone' then
     cause = 'gone'
   elseif f[6] == 'redrive' then
     cause = 'redrive'

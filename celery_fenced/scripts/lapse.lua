@@ -7,7 +7,6 @@
 -- ARGV[3]  mode: "release" (give the lease up now: LAPSED, due for takeover at once) or
 --          "expire" (keep RUNNING but record the stall: the TTL runs out by itself, and the
 --          takeover is then counted as cause "stalled", not "gone")
--- ARGV[4]  reason written to lapseReason (e.g. "stalled", "max-duration")
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "not-running" | "missing"
 local now = now_ms()
@@ -24,7 +23,7 @@ end
 if ARGV[3] == 'release' then
   redis.call('ZADD', KEYS[2], now, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
-    'lapseReason', ARGV[4])
+    'lapseReason', 'stalled')
 end
 if not redis.call('HGET', KEYS[1], 'stalledAt') then
   redis.call('HSET', KEYS[1], 'stalledAt', now)

@@ -156,7 +156,7 @@ def test_fenced_rediss_stores_results_fences_writes_and_reaps_over_tls(tls_redis
 
         taken = report.delay(15)  # runs about 1.5 s: long enough to be taken over while it runs
         helpers.wait_for_lease(taken.id, "RUNNING")
-        assert helpers.expire_now(taken.id) == "expired"
+        assert helpers.lapse_now(taken.id) == "lapsed"
         assert helpers.reap().requeued == [taken.id]
         assert taken.get(timeout=20) == 15
         wait_until(lambda: len(runs) == 3, 10, "the second attempt to run")

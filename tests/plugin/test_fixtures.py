@@ -56,7 +56,7 @@ def test_a_stage_made_to_stall_is_given_up_and_reaped(fenced_app: Any, fenced_wo
     assert fenced_helpers.lease(result.id).takeovers == 1
 
 
-def test_expire_now_makes_a_live_lease_due(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
+def test_lapse_now_makes_a_live_lease_due(fenced_app: Any, fenced_worker: Any, fenced_helpers: Any) -> None:
     @fenced_app.task(bind=True, base=ProgressLeasedTask)
     def waits(self: Any) -> None:
         for _ in range(30):
@@ -66,7 +66,7 @@ def test_expire_now_makes_a_live_lease_due(fenced_app: Any, fenced_worker: Any, 
     fenced_worker.reload()
     result = waits.delay()
     fenced_helpers.wait_for_lease(result.id, "RUNNING")
-    assert fenced_helpers.expire_now(result.id) == "expired"
+    assert fenced_helpers.lapse_now(result.id) == "lapsed"
     report = fenced_helpers.reap()
     assert report.requeued == [result.id]
     assert fenced_helpers.lease(result.id).status in ("REQUEUED", "RUNNING", "DONE")

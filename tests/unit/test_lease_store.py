@@ -300,27 +300,27 @@ def test_expiries_come_from_the_server_clock_not_the_clients(
 
 def test_lapse_release_gives_the_lease_up_now(store: LeaseStore) -> None:
     state = acquire(store).state
-    assert store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled") == "ok"
+    assert store.lapse("t1", "host/1/a", state.owner_token, mode="release") == "ok"
     after = store.read("t1")
     assert after is not None and after.status == "LAPSED" and after.raw["lapseReason"] == "stalled"
     assert store.renew_many([renew_req(state)]) == ["lapsed"]
-    assert store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled") == "not-running"
+    assert store.lapse("t1", "host/1/a", state.owner_token, mode="release") == "not-running"
 
 
 def test_lapse_expire_keeps_running_but_records_the_stall(store: LeaseStore) -> None:
     state = acquire(store).state
-    assert store.lapse("t1", "host/1/a", state.owner_token, mode="expire", reason="stalled") == "ok"
+    assert store.lapse("t1", "host/1/a", state.owner_token, mode="expire") == "ok"
     after = store.read("t1")
     assert after is not None and after.status == "RUNNING" and after.stalled_at is not None
 
 
 def test_lapse_refuses_stale_and_foreign(store: LeaseStore) -> None:
     state = acquire(store).state
-    assert store.lapse("t1", "host/1/a", state.owner_token + 1, mode="release", reason="x") == "stale-token"
-    assert store.lapse("t1", "host/9/z", state.owner_token, mode="release", reason="x") == "not-owner"
-    assert store.lapse("nope", "host/1/a", 1, mode="release", reason="x") == "missing"
+    assert store.lapse("t1", "host/1/a", state.owner_token + 1, mode="release") == "stale-token"
+    assert store.lapse("t1", "host/9/z", state.owner_token, mode="release") == "not-owner"
+    assert store.lapse("nope", "host/1/a", 1, mode="release") == "missing"
     with pytest.raises(ValueError, match="mode"):
-        store.lapse("t1", "host/1/a", state.owner_token, mode="later", reason="x")
+        store.lapse("t1", "host/1/a", state.owner_token, mode="later")
 
 
 def test_release_done_expires_with_the_result(store: LeaseStore, redis_client: redis.Redis) -> None:
@@ -534,20 +534,20 @@ def test_claim_of_expired_lease_requeues_with_cause_gone(store: LeaseStore) -> N
     assert store.renew_many([renew_req(state)]) == ["claimed"]
 
 
-def test_expire_now_keeps_a_live_owner_from_renewing_it_back(store: LeaseStore) -> None:
+def test_lapse_now_keeps_a_live_owner_from_renewing_it_back(store: LeaseStore) -> None:
     state = acquire(store).state
-    assert store.expire_now("t1") == "expired"
+    assert store.lapse_now("t1") == "lapsed"
     assert store.renew_many([renew_req(state)]) == ["lapsed"]  # the owner is alive, but too late
     assert store.due_task_ids(10) == ["t1"]
     [result] = claim(store, "t1")
     assert result.code == "requeued" and result.cause == "gone"
-    assert store.expire_now("t1") == "not-live"
-    assert store.expire_now("t2") == "missing"
+    assert store.lapse_now("t1") == "not-live"
+    assert store.lapse_now("t2") == "missing"
 
 
 def test_claim_of_lapsed_lease_has_cause_stalled_and_grace_delays_it(store: LeaseStore) -> None:
     state = acquire(store).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1", grace=60_000)[0].code == "not-due"
     [result] = claim(store, "t1")
     assert result.code == "requeued" and result.cause == "stalled"
@@ -555,14 +555,14 @@ def test_claim_of_lapsed_lease_has_cause_stalled_and_grace_delays_it(store: Leas
 
 def test_expire_mode_stall_is_counted_as_stalled(store: LeaseStore) -> None:
     state = acquire(store, ttl=30).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="expire", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="expire")
     wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
     assert claim(store, "t1")[0].cause == "stalled"
 
 
 def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> None:
     state = acquire(store).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1", requeue=30)[0].code == "requeued"
     wait_for(lambda: store.server_time_ms() > (store.read("t1").lease_expire_at or 0))  # type: ignore[union-attr]
     [again] = claim(store, "t1")
@@ -572,7 +572,7 @@ def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> 
 
 def test_a_backlog_is_sent_again_a_bounded_number_of_times_and_never_abandoned(store: LeaseStore) -> None:
     state = acquire(store, max_takeovers=2).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     codes = []
     for _ in range(5):  # nobody acquires: the messages wait in a long queue
         codes.append(claim(store, "t1", requeue=20)[0].code)
@@ -585,10 +585,10 @@ def test_a_backlog_is_sent_again_a_bounded_number_of_times_and_never_abandoned(s
 
 def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store, max_takeovers=1).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1")[0].code == "requeued"
     again = acquire(store, owner="host/2/b", max_takeovers=1).state
-    store.lapse("t1", "host/2/b", again.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/2/b", again.owner_token, mode="release")
     [result] = claim(store, "t1")
     assert result.code == "abandoned" and result.state is not None
     assert result.state.status == "ABANDONED" and result.state.owner_token > again.owner_token
@@ -614,7 +614,7 @@ def test_concurrent_claims_requeue_each_task_once(store: LeaseStore) -> None:
     for round_no in range(5):
         task_id = f"c{round_no}"
         state = acquire(store, task_id=task_id).state
-        store.lapse(task_id, "host/1/a", state.owner_token, mode="release", reason="stalled")
+        store.lapse(task_id, "host/1/a", state.owner_token, mode="release")
         barrier = threading.Barrier(20)
 
         def contend(_: int, task_id: str = task_id, barrier: threading.Barrier = barrier) -> str:
@@ -633,7 +633,7 @@ def test_tokens_strictly_increase_through_claim_and_acquire_races(store: LeaseSt
     state = acquire(store).state
     seen.append(state.owner_token)
     for round_no in range(5):
-        store.lapse("t1", state.owner_id, state.owner_token, mode="release", reason="stalled")
+        store.lapse("t1", state.owner_id, state.owner_token, mode="release")
         claim(store, "t1")
         barrier = threading.Barrier(20)
 
@@ -672,7 +672,7 @@ def test_cancel_fences_the_owner_and_stops_later_deliveries(store: LeaseStore, r
 
 def test_redrive_puts_an_abandoned_task_back(store: LeaseStore, redis_client: redis.Redis) -> None:
     state = acquire(store, max_takeovers=0).state
-    store.lapse("t1", "host/1/a", state.owner_token, mode="release", reason="stalled")
+    store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1")[0].code == "abandoned"
     assert store.abandoned_task_ids() == ["t1"] and store.abandoned_count() == 1
     assert store.redrive("t1") == "redriven"
@@ -709,7 +709,7 @@ def test_arguments_are_checked(store: LeaseStore) -> None:
 def test_unknown_script_codes_raise_a_named_error(store: LeaseStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store.scripts, "lapse", lambda keys, args: [b"surprise"])
     with pytest.raises(LeaseScriptError, match="surprise"):
-        store.lapse("t1", "o", 1, mode="release", reason="x")
+        store.lapse("t1", "o", 1, mode="release")
 
 
 # -- the same writer asking again (a reply lost to a connection error) --------------------------

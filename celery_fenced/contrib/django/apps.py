@@ -19,16 +19,10 @@ class CeleryFencedConfig(AppConfig):
     def ready(self) -> None:
         from django.conf import settings
 
-        from ...conf import DEFAULTS, FencedConfig
+        from ...conf import check_django_settings
         from ...signals import stale_write_rejected, task_taken_over
 
-        # Refuse bad CELERY_FENCED_* settings when Django starts, with the setting's name.
-        found = {
-            key: getattr(settings, f"CELERY_{key.upper()}")
-            for key in DEFAULTS
-            if hasattr(settings, f"CELERY_{key.upper()}")
-        }
-        FencedConfig.from_mapping(found)
+        check_django_settings(settings)  # a bad CELERY_FENCED_* setting stops Django, naming it
         stale_write_rejected.connect(_log_stale_write, weak=False, dispatch_uid="celery_fenced.django.stale")
         task_taken_over.connect(_log_takeover, weak=False, dispatch_uid="celery_fenced.django.takeover")
 

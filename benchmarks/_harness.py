@@ -6,25 +6,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
-from celery_fenced.testing import default_binary
+from celery_fenced.harness import RedisServer, default_binary, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Harness:
@@ -33,13 +24,9 @@ class Harness:
     def __init__(self, app_module: str, settings: dict | None = None) -> None:  # type: ignore[type-arg]
         self.app_module = app_module
         self.tmp = Path(tempfile.mkdtemp(prefix="fenced-bench-"))
-        self.port = free_port()
-        self.redis_proc = subprocess.Popen(
-            [default_binary(), "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
-            stdout=subprocess.DEVNULL,
-        )
+        self.redis = RedisServer(default_binary(), self.tmp / "redis").start(timeout=10)
+        self.port = self.redis.port
         self.client = redis.Redis(port=self.port)
-        wait(lambda: _pings(self.client), 10, "redis")
         self.env = dict(
             os.environ,
             PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -59,7 +46,7 @@ class Harness:
             start_new_session=True,
         )
         self.procs.append(proc)
-        wait(lambda: ready in log.read_text(errors="replace"), 60, f"{name} to start")
+        wait_until(lambda: ready in log.read_text(errors="replace"), 60, f"{name} to start")
         return proc
 
     def worker(
@@ -99,8 +86,7 @@ class Harness:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        self.redis_proc.terminate()
-        self.redis_proc.wait(10)
+        self.redis.stop()
         if not os.environ.get("FENCED_BENCH_KEEP"):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -109,18 +95,3 @@ class Harness:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
-def wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._harness import Harness, wait
+from benchmarks._harness import Harness
+from celery_fenced.harness import wait_until
 
 
 def main() -> int:
@@ -44,7 +45,7 @@ def main() -> int:
         for start in range(0, args.stalls, batch):
             results = [bench_app.stall_once.delay() for _ in range(min(batch, args.stalls - start))]
             for result in results:
-                wait(lambda r=result: marks.exists(f"taken:{r.id}"), 30, f"takeover of {result.id}")
+                wait_until(lambda r=result: marks.exists(f"taken:{r.id}"), 30, f"takeover of {result.id}")
                 stalled = float(marks.get(f"stalled:{result.id}"))
                 taken = float(marks.get(f"taken:{result.id}"))
                 latencies.append(taken - (stalled + deadline))

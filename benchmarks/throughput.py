@@ -39,7 +39,7 @@ class CpuMeter:
         worker = psutil.Process(worker_pid)
         self.processes = {
             "client": psutil.Process(),
-            "redis": psutil.Process(harness.redis_proc.pid),
+            "redis": psutil.Process(harness.redis.process.pid),
             "worker": worker,
             "children": worker.children(),
         }

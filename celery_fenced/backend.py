@@ -33,7 +33,14 @@ from .state import StoreOutcome, StoreResult, as_text
 from .store import LeaseStore
 from .worker.attempt import attempt_of
 
-__all__ = ["REFUSED_WRITES", "FencedRedisBackend", "FencedSentinelBackend"]
+__all__ = [
+    "REDIS_SCHEMES",
+    "REFUSED_WRITES",
+    "FencedRedisBackend",
+    "FencedSentinelBackend",
+    "check_redis_url",
+    "request_of_call",
+]
 
 logger = logging.getLogger("celery_fenced.backend")
 

@@ -26,7 +26,7 @@ from .state import CancelOutcome, RedriveOutcome
 from .store import LeaseStore, lease_store_of
 from .tuning import suggest
 
-__all__ = ["fenced"]
+__all__ = ["LISTED_STATES", "ClusterCollector", "fenced", "render_lease", "typed_fields"]
 
 
 def _app(ctx: click.Context) -> Any:

@@ -24,11 +24,20 @@ from .exceptions import ConfigurationError
 __all__ = [
     "DEFAULTS",
     "ON_STALL_MODES",
+    "TASK_OPTIONS",
     "FencedConfig",
     "TaskPolicy",
+    "build_policy",
+    "check_django_settings",
+    "check_settings_before_beat",
     "ensure_conf",
+    "exit_on_bad_settings",
     "nearest",
     "normalise_stage",
+    "positive_seconds",
+    "read_settings",
+    "reset_conf",
+    "unknown_settings",
 ]
 
 logger = logging.getLogger("celery_fenced.conf")

@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "send"]
+__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "enabled", "send"]
 
 logger = logging.getLogger("celery_fenced.events")
 

@@ -27,7 +27,7 @@ from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
 from .state import LapseOutcome, RenewOutcome, RenewRequest, RestoreOutcome
 from .store import LeaseStore
 
-__all__ = ["Heartbeat", "HeartbeatListener"]
+__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener"]
 
 logger = logging.getLogger("celery_fenced.heartbeat")
 

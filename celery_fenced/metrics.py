@@ -23,8 +23,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BUCKETS",
     "COUNTERS",
+    "GAP_MIN",
+    "GAP_RATIO",
     "GAUGES",
     "HISTOGRAMS",
+    "MAX_GAP_FIELDS",
+    "MAX_METRIC_FIELDS",
     "MetricsBuffer",
     "buffer",
     "gap_bucket",

@@ -18,7 +18,14 @@ from . import metrics
 from .conf import TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
 
-__all__ = ["OwnedLease", "StageDeadline", "check_details", "current_lease", "set_current_lease"]
+__all__ = [
+    "LOCAL_EXPIRY_MARGIN",
+    "OwnedLease",
+    "StageDeadline",
+    "check_details",
+    "current_lease",
+    "set_current_lease",
+]
 
 #: Fraction of the TTL kept as a safety margin by the owner's local expiry check.
 LOCAL_EXPIRY_MARGIN = 0.1

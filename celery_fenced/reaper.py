@@ -27,7 +27,17 @@ from .exceptions import ConfigurationError, TaskAbandonedError
 from .state import ClaimOutcome, ClaimResult, LeaseState
 from .store import lease_store_of
 
-__all__ = ["REAP_TASK_NAME", "ReapReport", "reap", "register_reaper_task", "request_reap", "resend"]
+__all__ = [
+    "DEFAULT_BATCH",
+    "REAP_TASK_NAME",
+    "SCHEDULE_NAME",
+    "ReapReport",
+    "install",
+    "reap",
+    "register_reaper_task",
+    "request_reap",
+    "resend",
+]
 
 logger = logging.getLogger("celery_fenced.reaper")
 

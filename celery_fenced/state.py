@@ -32,6 +32,7 @@ __all__ = [
     "RestoreOutcome",
     "StoreOutcome",
     "StoreResult",
+    "as_text",
 ]
 
 

@@ -34,7 +34,17 @@ from .interrupt import install_interrupt_handler, set_pool_kind
 from .lifecycle import acquire, release, stop_heartbeats
 from .reaper_thread import ReaperThread
 
-__all__ = ["check_worker", "connect_worker_hooks"]
+__all__ = [
+    "CHILD_WATCH_INTERVAL",
+    "ChildExitWatch",
+    "FencedWorkerStep",
+    "check_worker",
+    "connect_worker_hooks",
+    "lease_redis_reachable",
+    "pool_kind_of",
+    "quiet_reaper_runs",
+    "warn_if_redis_can_evict",
+]
 
 logger = logging.getLogger(__name__)
 

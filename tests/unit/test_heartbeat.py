@@ -17,25 +17,29 @@ OWNER = "host/1/a"
 
 
 class RecordingListener:
-    """Records the losses the heartbeat reports (a worker's listener sends signals and events)."""
+    """Records what the heartbeat reports (a worker's listener sends signals and events)."""
 
     def __init__(self) -> None:
         self.losses: list[tuple[str, str]] = []
+        self.stalls: list[tuple[str, str, float, float]] = []
+        self.releases: list[str] = []
+        self.exceeded: list[str] = []
+        self.renewals: list[str] = []
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         self.losses.append((lease.task_id, reason))
 
     def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-        pass
+        self.stalls.append((lease.task_id, bound, allowed, elapsed))
 
     def released(self, lease: OwnedLease) -> None:
-        pass
+        self.releases.append(lease.task_id)
 
     def duration_exceeded(self, lease: OwnedLease) -> None:
-        pass
+        self.exceeded.append(lease.task_id)
 
     def renewed(self, leases: list[OwnedLease]) -> None:
-        pass
+        self.renewals += [lease.task_id for lease in leases]
 
 
 @pytest.fixture
@@ -118,3 +122,104 @@ def test_a_renewal_racing_a_hand_off_does_not_write_the_lease_back(store: LeaseS
     assert store.hand_off("t4", OWNER, lease.token) == "ok"
     beat._renew([(lease, False)])  # a renewal that was already on its way
     assert store.read("t4") is None  # the replacement starts afresh
+
+
+# -- on_stall, tick by tick on the heartbeat's own clock -----------------------------------------
+
+
+def stalling(store: LeaseStore, on_stall: str, now: float, **settings: object) -> OwnedLease:
+    """A lease whose body last made progress at ``now``; its stage allows 5 s, two checks."""
+    policy = FencedConfig.from_mapping(
+        {"fenced_on_stall": on_stall, "fenced_default_stage_timeout": 5, "fenced_stall_checks": 2, **settings}
+    ).policy
+    state = store.acquire("t1", OWNER, ttl_ms=policy.lease_ttl_ms, task_name="proj.task", max_takeovers=3).state
+    return OwnedLease(
+        "t1",
+        "proj.task",
+        OWNER,
+        state.owner_token,
+        state.attempt,
+        0,
+        policy,
+        last_progress=now,
+        renewed=now,
+        started=now,
+    )
+
+
+def clocked(store: LeaseStore, listener: RecordingListener, now: list[float], lease: OwnedLease) -> Heartbeat:
+    beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60, clock=lambda: now[0])
+    beat._leases[lease.owner_id] = lease
+    return beat
+
+
+@pytest.mark.parametrize("on_stall", ["release", "expire", "alert"])
+def test_within_the_deadline_every_mode_renews(store: LeaseStore, on_stall: str) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, on_stall, now[0])
+    beat = clocked(store, listener, now, lease)
+    now[0] += 4.9
+    beat.tick()
+    assert listener.renewals == ["t1"] and listener.stalls == [] and listener.losses == []
+    assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
+
+
+def test_release_gives_the_lease_up_after_stall_checks_ticks_past_the_deadline(store: LeaseStore) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "release", now[0])
+    beat = clocked(store, listener, now, lease)
+    now[0] += 5.5
+    beat.tick()  # the first failed check: still renewed
+    assert listener.stalls == [] and listener.renewals == ["t1"]
+    now[0] += 0.5
+    beat.tick()
+    assert listener.stalls == [("t1", "stage", 5.0, 6.0)]
+    assert listener.releases == ["t1"]
+    assert listener.losses == [("t1", "stalled: no progress within the stage (5s)")]
+    state = store.read("t1")
+    assert state is not None and state.status == "LAPSED" and state.raw["lapseReason"] == "stalled"
+    beat.tick()  # a lost lease is no longer served
+    assert beat.leases() == [] and len(listener.stalls) == 1
+
+
+def test_expire_stops_renewing_and_tells_the_owner_but_leaves_the_lease_running(store: LeaseStore) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "expire", now[0])
+    beat = clocked(store, listener, now, lease)
+    now[0] += 5.5
+    beat.tick()
+    expiry = store.read("t1").lease_expire_at  # type: ignore[union-attr]
+    now[0] += 0.5
+    beat.tick()
+    assert listener.stalls and listener.releases == []
+    assert listener.losses == [("t1", "stalled: no progress within the stage (5s); left to expire")]
+    state = store.read("t1")
+    assert state is not None and state.status == "RUNNING" and "stalledAt" in state.raw
+    assert state.lease_expire_at == expiry  # not renewed: the TTL runs out by itself
+
+
+def test_alert_keeps_renewing_marks_the_lease_stalled_and_reports_once(store: LeaseStore) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "alert", now[0])
+    beat = clocked(store, listener, now, lease)
+    for _ in range(4):
+        now[0] += 3
+        beat.tick()
+    assert len(listener.stalls) == 1 and listener.losses == []
+    assert listener.renewals == ["t1"] * 4
+    state = store.read("t1")
+    assert state is not None and state.status == "STALLED" and lease.lost_reason is None
+    now[0] += 0.1
+    lease.last_progress = now[0]  # progress again: the stall is over
+    beat.tick()
+    assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
+
+
+def test_past_max_task_duration_the_listener_is_told_instead_of_a_renewal(store: LeaseStore) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "release", now[0], fenced_max_task_duration=30)
+    beat = clocked(store, listener, now, lease)
+    now[0] += 30.5
+    lease.last_progress = now[0]
+    beat.tick()
+    assert listener.exceeded == ["t1"] and listener.renewals == []

@@ -6,6 +6,8 @@ import logging
 
 from django.apps import AppConfig
 
+__all__ = ["CeleryFencedConfig"]
+
 logger = logging.getLogger("celery_fenced.django")
 
 

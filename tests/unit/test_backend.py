@@ -1,61 +1,15 @@
-"""install() on beat's schedule, and the fenced backend's keys (global key prefix, URL forms)."""
+"""The fenced backend's keys and URL forms: the global key prefix, a unix socket, Sentinel."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
-from celery.signals import beat_init
 
-from celery_fenced import FencedRedisBackend, install
-from celery_fenced.reaper import REAP_TASK_NAME, SCHEDULE_NAME
+from celery_fenced import FencedRedisBackend
 from tests.support.redis_server import RedisServer, free_port
-
-
-def test_install_puts_the_reaper_on_beat_and_twice_is_harmless() -> None:
-    app = Celery("inst", set_as_current=False)
-    app.conf.fenced_reaper_interval = 2
-    install(app)
-    install(app)
-    app.conf.update(timezone="UTC")  # configures the app: the deferred schedule is added now
-    entry = app.conf.beat_schedule[SCHEDULE_NAME]
-    assert entry["task"] == REAP_TASK_NAME and entry["schedule"] == 2
-    assert entry["options"]["expires"] < 2
-    assert REAP_TASK_NAME in app.tasks
-    assert app.tasks[REAP_TASK_NAME].ignore_result and not app.tasks[REAP_TASK_NAME].send_events
-
-
-def test_a_later_config_from_object_cannot_wipe_it() -> None:
-    class Config:
-        beat_schedule: dict = {}
-        timezone = "UTC"
-
-    app = Celery("inst2", set_as_current=False)
-    install(app)
-    app.config_from_object(Config)
-    assert SCHEDULE_NAME in app.conf.beat_schedule
-
-
-def test_beat_start_warns_and_restores_a_wiped_schedule(caplog: pytest.LogCaptureFixture) -> None:
-    app = Celery("inst3", set_as_current=False)
-    install(app)
-    app.conf.update(timezone="UTC")
-    app.conf.beat_schedule["mine"] = {"task": "x", "schedule": 10}
-    del app.conf.beat_schedule[SCHEDULE_NAME]  # a hand-written schedule that dropped it
-    assert SCHEDULE_NAME not in app.conf.beat_schedule
-
-    class FakeBeatService:  # beat_init's sender is beat's Service: only its .app is read
-        pass
-
-    sender = FakeBeatService()
-    sender.app = app  # type: ignore[attr-defined]
-    with caplog.at_level(logging.WARNING, logger="celery_fenced.reaper"):
-        beat_init.send(sender=sender)
-    assert "beat_schedule has no 'celery_fenced.reap' entry" in caplog.text
-    assert SCHEDULE_NAME in app.conf.beat_schedule and "mine" in app.conf.beat_schedule
 
 
 def backend_of(url: str, **conf: object) -> FencedRedisBackend:

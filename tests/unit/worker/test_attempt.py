@@ -1,0 +1,114 @@
+"""The attempt object: what each result write's outcome does to the owner's lease."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from celery import Celery
+from celery.app.task import Context
+
+from celery_fenced import metrics
+from celery_fenced.conf import FencedConfig
+from celery_fenced.keys import KeySpace
+from celery_fenced.metrics import MetricsBuffer
+from celery_fenced.owner import OwnedLease
+from celery_fenced.state import StoreOutcome, StoreResult
+from celery_fenced.store import LeaseStore
+from celery_fenced.worker.attempt import Attempt, attempt_of, begin
+
+OWNER = "host/1/a"
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis) -> LeaseStore:
+    return LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
+
+
+@pytest.fixture
+def buffer(monkeypatch: pytest.MonkeyPatch) -> MetricsBuffer:
+    fresh = MetricsBuffer()
+    monkeypatch.setattr(metrics, "buffer", fresh)
+    return fresh
+
+
+@pytest.fixture
+def app() -> Celery:
+    return Celery("attempts", set_as_current=False)  # events off: nothing is sent
+
+
+def held(store: LeaseStore, task_id: str = "t1") -> OwnedLease:
+    policy = FencedConfig.from_mapping({"fenced_default_stage_timeout": 5}).policy
+    state = store.acquire(task_id, OWNER, ttl_ms=policy.lease_ttl_ms, task_name="proj.task", max_takeovers=3).state
+    return OwnedLease(task_id, "proj.task", OWNER, state.owner_token, state.attempt, state.takeovers, policy)
+
+
+def test_the_attempt_rides_on_its_request_and_nowhere_else() -> None:
+    request = Context(id="t1")
+    assert attempt_of(request) is None
+    attempt = begin(request)
+    assert attempt_of(request) is attempt and attempt.lease is None and attempt.owner_id == ""
+    assert attempt_of(None) is None
+
+
+def test_a_write_for_another_task_id_carries_no_token(store: LeaseStore) -> None:
+    attempt = Attempt(lease=held(store))
+    assert attempt.token_for("t1") == attempt.lease.token  # type: ignore[union-attr]
+    assert attempt.token_for("another") is None
+
+
+def test_a_stored_ready_state_ends_the_lease_and_counts_the_attempt(
+    store: LeaseStore, buffer: MetricsBuffer, app: Celery
+) -> None:
+    lease = held(store)
+    lease.progress("load")
+    attempt = Attempt(lease=lease)
+    attempt.result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STORED, "DONE"))
+    assert attempt.write == "stored" and lease.ended and lease.lost_reason is None
+    totals = buffer.take()
+    assert totals["owner_progress_update_total|"] == 1
+    assert totals["owner_task_total_duration_seconds||count"] == 1
+    assert totals["owner_stage_duration_seconds|stage=load|count"] == 1
+
+
+def test_a_stored_started_state_leaves_the_lease_running(store: LeaseStore, buffer: MetricsBuffer, app: Celery) -> None:
+    lease = held(store)
+    attempt = Attempt(lease=lease)
+    attempt.result_written(store, app, "STARTED", StoreResult(StoreOutcome.STORED, "RUNNING"))
+    assert not lease.ended and buffer.take() == {}
+
+
+def test_a_stale_success_soon_after_a_takeover_loses_the_lease_and_is_a_false_takeover(
+    store: LeaseStore, buffer: MetricsBuffer, app: Celery
+) -> None:
+    lease = held(store)
+    lease.progress("call-ai")
+    store.lapse("t1", OWNER, lease.token, mode="release")
+    assert store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
+    attempt = Attempt(lease=lease)
+    attempt.result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
+    assert lease.lost_reason == "fenced: a newer token owns the task"
+    counted = dict(store.metric_fields())  # flushed with the loss
+    assert counted["owner_false_takeover_total|stage=call-ai"] == 1
+
+
+def test_a_stale_success_long_after_its_deadline_is_no_false_takeover(
+    store: LeaseStore, buffer: MetricsBuffer, app: Celery
+) -> None:
+    lease = held(store)
+    lease.last_progress = time.monotonic() - 60  # 12 times its 5 s deadline
+    store.lapse("t1", OWNER, lease.token, mode="release")
+    store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
+    Attempt(lease=lease).result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STALE, "99"))
+    assert lease.lost_reason is not None
+    assert not any(field.startswith("owner_false_takeover_total") for field in store.metric_fields())
+
+
+def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: LeaseStore, app: Celery) -> None:
+    lease = held(store)
+    lease.retrying = True  # retry() moved the lease to RETRYING before sending the message
+    attempt = Attempt(lease=lease)
+    assert attempt.retry_sent
+    attempt.result_written(store, app, "RETRY", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
+    assert lease.lost_reason is None

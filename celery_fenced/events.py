@@ -15,11 +15,14 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "enabled", "send"]
+if TYPE_CHECKING:
+    from .owner import OwnedLease
+
+__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "enabled", "send", "send_about"]
 
 logger = logging.getLogger("celery_fenced.events")
 
@@ -95,3 +98,22 @@ def send(
             _dispatchers.pop((os.getpid(), app), None)
         return False
     return True
+
+
+def send_about(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
+    """Send a task event about ``lease`` (its id, token, stage, attempt and name) plus ``fields``.
+
+    Nothing is built when events are off: an attempt's first event is on every task's path.
+    """
+    if not enabled(app):
+        return
+    send(
+        app,
+        event_type,
+        task_id=lease.task_id,
+        token=lease.token,
+        stage=lease.stage,
+        attempt=lease.attempt,
+        name=lease.task_name,
+        **fields,
+    )

@@ -166,17 +166,13 @@ class Heartbeat:
                 self._listener.duration_exceeded(lease)
                 continue
             metrics.buffer.inc("owner_heartbeat_total")
-            self._count_progress(lease)
+            lease.count_activity()
             renew, stalled = self._check_progress(lease, now)
             if renew:
                 batch.append((lease, stalled))
         if batch:
             self._renew(batch)
         self._flush_metrics()
-
-    @staticmethod
-    def _count_progress(lease: OwnedLease) -> None:
-        lease.count_activity()
 
     def _flush_metrics(self) -> None:
         with contextlib.suppress(RedisError):

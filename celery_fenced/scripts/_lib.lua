@@ -4,6 +4,9 @@
 -- write_result(key, meta, expires_ms)   Celery's own result write: SET (with PX when
 --                                       expires_ms > 0) and PUBLISH, which wakes
 --                                       AsyncResult.get()
+-- owner_refusal(key, owner_id, token)   why an owner's call on the lease at key is refused
+--                                       ("missing", "stale-token", "not-owner"), or nil,
+--                                       and the lease's status
 redis.replicate_commands()
 
 local function now_ms()
@@ -18,4 +21,16 @@ local function write_result(key, meta, expires_ms)
     redis.call('SET', key, meta)
   end
   redis.call('PUBLISH', key, meta)
+end
+
+local function owner_refusal(key, owner_id, token)
+  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId')
+  if not cur[1] then
+    return 'missing', nil
+  elseif cur[2] ~= token then
+    return 'stale-token', cur[1]
+  elseif cur[3] ~= owner_id then
+    return 'not-owner', cur[1]
+  end
+  return nil, cur[1]
 end

@@ -18,14 +18,11 @@
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "finished" | "missing"
 local now = now_ms()
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId')
-if not cur[1] then
-  return {'missing'}
-elseif cur[2] ~= ARGV[2] then
-  return {'stale-token'}
-elseif cur[3] ~= ARGV[1] then
-  return {'not-owner'}
-elseif cur[1] == 'DONE' or cur[1] == 'ABANDONED' then
+local refusal, status = owner_refusal(KEYS[1], ARGV[1], ARGV[2])
+if refusal then
+  return {refusal}
+end
+if status == 'DONE' or status == 'ABANDONED' then
   return {'finished'}
 end
 local target = ARGV[3]

@@ -126,16 +126,7 @@ class Attempt:
             ):
                 metrics.buffer.inc("owner_false_takeover_total", stage=lease.stage or "")
         metrics.buffer.flush(store)
-        events.send(
-            app,
-            "task-fenced",
-            task_id=lease.task_id,
-            token=lease.token,
-            stage=lease.stage,
-            attempt=lease.attempt,
-            current_token=current,
-            state=state,
-        )
+        events.send_about(app, "task-fenced", lease, current_token=current, state=state)
 
 
 def begin(request: Any, lease: OwnedLease | None = None) -> Attempt:

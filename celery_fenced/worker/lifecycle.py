@@ -27,6 +27,7 @@ from celery import states as celery_states
 from celery.app.task import get_actual_ignore_result
 from redis.exceptions import RedisError
 
+from .. import events
 from .. import signals as fenced_signals
 from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
 from ..conf import TaskPolicy, ensure_conf
@@ -36,7 +37,7 @@ from ..owner import OwnedLease, current_lease, set_current_lease
 from ..state import LeaseStatus, ReleaseOutcome
 from ..store import lease_store_of
 from .attempt import Attempt, attempt_of
-from .listener import WorkerListener, send_lease_event
+from .listener import WorkerListener
 
 __all__ = [
     "acquire",
@@ -304,7 +305,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
     )
     # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
-    send_lease_event(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+    events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Mapping
-from typing import Any
 
 from celery import Celery
 from celery import states as celery_states
@@ -27,7 +26,7 @@ from ..reaper import request_reap
 from .attempt import begin
 from .interrupt import interrupt
 
-__all__ = ["WorkerListener", "send_lease_event"]
+__all__ = ["WorkerListener"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class WorkerListener:
         self.app = app
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
-        send_lease_event(self.app, "task-lease-lost", lease, reason=reason)
+        events.send_about(self.app, "task-lease-lost", lease, reason=reason)
         self._tell_the_body(lease, reason)
 
     @staticmethod
@@ -52,7 +51,7 @@ class WorkerListener:
             interrupt(lease)
 
     def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-        send_lease_event(
+        events.send_about(
             self.app,
             "task-stalled",
             lease,
@@ -97,7 +96,7 @@ class WorkerListener:
         if attempt.write == "stored":
             # The attempt now ends as an Ignore, for which the worker sends no event: without
             # this one, Flower would show the task running for good.
-            send_lease_event(self.app, "task-failed", lease, exception=repr(failure), traceback="")
+            events.send_about(self.app, "task-failed", lease, exception=repr(failure), traceback="")
             backend = self.app.backend
             state = backend.lease_store.read(lease.task_id)
             backend.ended_without_owner(lease.task_id, state.call if state else None, failure, celery_states.FAILURE)
@@ -108,7 +107,7 @@ class WorkerListener:
             if lease.stage == lease.published_stage:
                 continue
             lease.published_stage = lease.stage
-            send_lease_event(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
+            events.send_about(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
             table = lease.policy.stage_timeouts
             if table and lease.stage is not None and lease.stage not in table:
                 _log_unknown_stage_once(lease.task_name, lease.stage, table, lease.policy.default_stage_timeout)
@@ -129,23 +128,4 @@ def _log_unknown_stage_once(task_name: str, stage: str, table: Mapping[str, floa
         stage,
         f" (did you mean {hint!r}?)" if hint else "",
         default,
-    )
-
-
-def send_lease_event(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
-    """Send a task event about ``lease`` (its id, token, stage, attempt and name) plus ``fields``.
-
-    Nothing is built when events are off: an attempt's first event is on every task's path.
-    """
-    if not events.enabled(app):
-        return
-    events.send(
-        app,
-        event_type,
-        task_id=lease.task_id,
-        token=lease.token,
-        stage=lease.stage,
-        attempt=lease.attempt,
-        name=lease.task_name,
-        **fields,
     )

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ import click
 from . import control
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
-from .metrics import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, read_gaps, read_totals
+from .metrics import ClusterCollector, read_false_takeovers, read_gaps
 from .state import CancelOutcome, RedriveOutcome
 from .store import LeaseStore, lease_store_of
 from .tuning import suggest
@@ -286,52 +285,6 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
         pass
 
 
-class ClusterCollector:
-    """A Prometheus collector reading the cluster totals from Redis at each scrape."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        name = "owner_abandoned_tasks"
-        yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.abandoned_count()))
-
-        counters: dict[str, dict[str, float]] = defaultdict(dict)
-        histograms: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
-        for name, rest, value in read_totals(self.store):
-            if name in COUNTERS:
-                counters[name][rest] = value
-            elif name in HISTOGRAMS:
-                labels, _, part = rest.partition("|")
-                histograms[name][labels][part] = value
-        for name, help_text in COUNTERS.items():
-            label_names = sorted({k for labels in counters[name] for k in _parse_labels(labels)})
-            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=label_names)
-            if not counters[name] and not label_names:
-                family.add_metric([], 0.0)
-            for labels, value in counters[name].items():
-                parsed = _parse_labels(labels)
-                family.add_metric([parsed.get(k, "") for k in label_names], value)
-            yield family
-        for name, help_text in HISTOGRAMS.items():
-            label_names = sorted({k for labels in histograms[name] for k in _parse_labels(labels)})
-            histogram = HistogramMetricFamily(name, help_text, labels=label_names)
-            for labels, parts in histograms[name].items():
-                parsed = _parse_labels(labels)
-                buckets = [(str(b), parts.get(f"bucket|{b}", 0.0)) for b in BUCKETS]
-                buckets.append(("+Inf", parts.get("bucket|+Inf", 0.0)))
-                histogram.add_metric([parsed.get(k, "") for k in label_names], buckets, parts.get("sum", 0.0))
-            yield histogram
-
-
-def _parse_labels(text: str) -> dict[str, str]:
-    if not text:
-        return {}
-    return dict(pair.split("=", 1) for pair in text.split(","))
-
-
 @fenced.command()
 @click.option("--floor", default=1.0, show_default=True, type=float, help="Smallest deadline suggested, s.")
 @click.option("--factor", default=3.0, show_default=True, type=float, help="Safety factor over the quantile.")
@@ -350,11 +303,7 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
     app = _app(ctx)
     store = _store(app)
     policy = ensure_conf(app).policy
-    false_takeovers: dict[str, float] = defaultdict(float)
-    for name, rest, value in read_totals(store):
-        if name == "owner_false_takeover_total":
-            stage = _parse_labels(rest).get("stage", "")
-            false_takeovers[stage] += value
+    false_takeovers = read_false_takeovers(store)
     gaps = read_gaps(store)
     stages = set(gaps) | {stage for stage, count in false_takeovers.items() if count}
     if not stages:

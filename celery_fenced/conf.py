@@ -8,10 +8,11 @@ naming the setting and the value.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "check_django_settings",
     "check_settings_before_beat",
     "ensure_conf",
+    "exit_in_one_line",
     "exit_on_bad_settings",
     "nearest",
     "normalise_stage",
@@ -309,16 +311,24 @@ def ensure_conf(app: Celery) -> FencedConfig:
     return conf
 
 
-def exit_on_bad_settings(app: Celery) -> None:
-    """Validate ``app``'s settings; a bad one ends the process with one line naming it.
+@contextlib.contextmanager
+def exit_in_one_line() -> Iterator[None]:
+    """End the process with one line naming what is wrong when the block raises
+    :class:`ConfigurationError`.
 
     For long-running commands (beat, the worker), where Celery would otherwise print the
     error inside a long traceback, line by line through its log.
     """
     try:
-        ensure_conf(app)
+        yield
     except ConfigurationError as exc:
         raise SystemExit(f"celery-fenced: {exc}") from None
+
+
+def exit_on_bad_settings(app: Celery) -> None:
+    """Validate ``app``'s settings; a bad one ends the process with one line naming it."""
+    with exit_in_one_line():
+        ensure_conf(app)
 
 
 def check_settings_before_beat(app: Celery) -> None:

@@ -15,7 +15,7 @@ import threading
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .store import LeaseStore
@@ -29,10 +29,12 @@ __all__ = [
     "HISTOGRAMS",
     "MAX_GAP_FIELDS",
     "MAX_METRIC_FIELDS",
+    "ClusterCollector",
     "MetricsBuffer",
     "buffer",
     "gap_bucket",
     "gap_bucket_middle",
+    "read_false_takeovers",
     "read_gaps",
     "read_totals",
 ]
@@ -239,8 +241,63 @@ def read_gaps(store: LeaseStore) -> dict[str, dict[int, int]]:
     return dict(gaps)
 
 
+def read_false_takeovers(store: LeaseStore) -> dict[str, float]:
+    """The cluster's false takeovers, per stage."""
+    counts: dict[str, float] = defaultdict(float)
+    for name, labels, value in read_totals(store):
+        if name == "owner_false_takeover_total":
+            counts[_parse_labels(labels).get("stage", "")] += value
+    return dict(counts)
+
+
 def read_totals(store: LeaseStore) -> Iterator[tuple[str, str, float]]:
     """The cluster totals as ``(field, labels, value)``, from the metrics hash."""
     for field, value in store.metric_fields().items():
         name, _, rest = field.partition("|")
         yield name, rest, value
+
+
+class ClusterCollector:
+    """A Prometheus collector reading the cluster totals from Redis at each scrape."""
+
+    def __init__(self, store: LeaseStore) -> None:
+        self.store = store
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        name = "owner_abandoned_tasks"
+        yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.abandoned_count()))
+
+        counters: dict[str, dict[str, float]] = defaultdict(dict)
+        histograms: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+        for name, rest, value in read_totals(self.store):
+            if name in COUNTERS:
+                counters[name][rest] = value
+            elif name in HISTOGRAMS:
+                labels, _, part = rest.partition("|")
+                histograms[name][labels][part] = value
+        for name, help_text in COUNTERS.items():
+            label_names = sorted({k for labels in counters[name] for k in _parse_labels(labels)})
+            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=label_names)
+            if not counters[name] and not label_names:
+                family.add_metric([], 0.0)
+            for labels, value in counters[name].items():
+                parsed = _parse_labels(labels)
+                family.add_metric([parsed.get(k, "") for k in label_names], value)
+            yield family
+        for name, help_text in HISTOGRAMS.items():
+            label_names = sorted({k for labels in histograms[name] for k in _parse_labels(labels)})
+            histogram = HistogramMetricFamily(name, help_text, labels=label_names)
+            for labels, parts in histograms[name].items():
+                parsed = _parse_labels(labels)
+                buckets = [(str(b), parts.get(f"bucket|{b}", 0.0)) for b in BUCKETS]
+                buckets.append(("+Inf", parts.get("bucket|+Inf", 0.0)))
+                histogram.add_metric([parsed.get(k, "") for k in label_names], buckets, parts.get("sum", 0.0))
+            yield histogram
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    if not text:
+        return {}
+    return dict(pair.split("=", 1) for pair in text.split(","))

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from .. import events
 from ..apps import first_time
 from ..calls import tag_publish
-from ..conf import ensure_conf
+from ..conf import ensure_conf, exit_in_one_line
 from ..exceptions import ConfigurationError
 from ..reaper import REAP_TASK_NAME, register_reaper_task
 from ..store import is_fenced, lease_store_of
@@ -138,11 +138,8 @@ class FencedWorkerStep(bootsteps.StartStopStep):
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        try:
+        with exit_in_one_line():  # one line naming what is wrong, not a traceback ending in it
             check_worker(parent.app, parent.pool_cls)
-        except ConfigurationError as exc:
-            # One line naming what is wrong, not a traceback ending in it.
-            raise SystemExit(f"celery-fenced: {exc}") from None
         # Set before the pool forks, so prefork children inherit both.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
         quiet_reaper_runs()

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from celery_fenced.cli import ClusterCollector
 from celery_fenced.harness import free_port
+from celery_fenced.metrics import ClusterCollector
 from tests.integration.conftest import APP, KEYS, Cluster, lease, stored
 from tests.support.processes import wait_until
 

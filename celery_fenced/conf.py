@@ -63,6 +63,7 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "fenced_reaper_interval": 5.0,
         "fenced_takeover_grace": 0.0,
         "fenced_requeue_timeout": 60.0,
+        "fenced_start_timeout": 60.0,
     }
 )
 
@@ -181,6 +182,7 @@ class FencedConfig:
     reaper_interval: float
     takeover_grace: float
     requeue_timeout: float
+    start_timeout: float
     policy: TaskPolicy
     raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
 
@@ -196,12 +198,14 @@ class FencedConfig:
         policy = build_policy(merged, source=lambda option: TASK_OPTIONS[option])
         reaper_interval = _positive_seconds("fenced_reaper_interval", merged["fenced_reaper_interval"])
         requeue_timeout = _positive_seconds("fenced_requeue_timeout", merged["fenced_requeue_timeout"])
-        assert reaper_interval is not None and requeue_timeout is not None
+        start_timeout = _positive_seconds("fenced_start_timeout", merged["fenced_start_timeout"])
+        assert reaper_interval is not None and requeue_timeout is not None and start_timeout is not None
         return cls(
             key_prefix=prefix,
             reaper_interval=reaper_interval,
             takeover_grace=_non_negative_seconds("fenced_takeover_grace", merged["fenced_takeover_grace"]),
             requeue_timeout=requeue_timeout,
+            start_timeout=start_timeout,
             policy=policy,
             raw=MappingProxyType(merged),
         )

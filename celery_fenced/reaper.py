@@ -126,7 +126,7 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
             state.takeovers,
             state.owner_token,
         )
-        if result.cause in ("stalled", "gone"):
+        if result.cause in ("stalled", "gone", "unstarted"):
             metrics.buffer.inc("owner_takeover_total", cause=result.cause)
         _tell(app, state, result.cause, abandoned=False)
     elif result.code == ClaimOutcome.ABANDONED and state is not None:

@@ -29,6 +29,8 @@ __all__ = [
     "ReleaseOutcome",
     "RenewOutcome",
     "RenewRequest",
+    "Reservation",
+    "ReserveOutcome",
     "RestoreOutcome",
     "StoreOutcome",
     "StoreResult",
@@ -46,6 +48,7 @@ class LeaseStatus(StrEnum):
     STALLED = "STALLED"
     DONE = "DONE"
     ABANDONED = "ABANDONED"
+    RESERVED = "RESERVED"
 
 
 class AcquireOutcome(StrEnum):
@@ -152,8 +155,16 @@ class RestoreOutcome(StrEnum):
 
 
 #: The outcome enum of each script that answers with a code.
+class ReserveOutcome(StrEnum):
+    """What ``reserve.lua`` answered for one received message."""
+
+    RESERVED = "reserved"
+    LEFT = "left"
+
+
 SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "acquire": AcquireOutcome,
+    "reserve": ReserveOutcome,
     "renew": RenewOutcome,
     "lapse": LapseOutcome,
     "release": ReleaseOutcome,
@@ -204,6 +215,8 @@ class LeaseState:
     stalled_at: int | None
     max_takeovers: int
     lease_ttl_ms: int
+    reserved_by: str = ""
+    reserved_at: int | None = None
     raw: Mapping[str, str] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -226,6 +239,8 @@ class LeaseState:
             stalled_at=_opt_int(fields, "stalledAt"),
             max_takeovers=_int(fields, "maxTakeovers"),
             lease_ttl_ms=_int(fields, "leaseTtl"),
+            reserved_by=fields.get("reservedBy", ""),
+            reserved_at=_opt_int(fields, "reservedAt"),
             raw=dict(fields),
         )
 
@@ -279,6 +294,27 @@ class RenewRequest:
     progress_version: int
     progress_age_ms: int
     stalled: bool = False
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """One received message to reserve in a batch (see :meth:`LeaseStore.reserve_many`).
+
+    Attributes:
+        task_id: the task id.
+        expires_in_ms: until the reservation expires: the eta's delay plus the start timeout.
+        task_name: the task's registered name.
+        call: the recorded call, for the reaper's re-send (``None`` when it could not be recorded).
+        max_takeovers: the task's ``max_takeovers``.
+        publish_id: the message's publish id (``""`` when none).
+    """
+
+    task_id: str
+    expires_in_ms: int
+    task_name: str
+    call: Mapping[str, Any] | None
+    max_takeovers: int
+    publish_id: str = ""
 
 
 @dataclass(frozen=True)

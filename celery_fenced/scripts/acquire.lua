@@ -15,8 +15,10 @@
 -- An attempt that asks again (same ownerId: its reply was lost) gets "new" or "takeover" again.
 --
 -- Returns {code, previous status or "", the owner's lease fields as a flat list}:
---   "new"        no lease existed: token taken, attempt 1
---   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired: new token, attempt + 1
+--   "new"        no lease existed, or only the reservation of a task never started (RESERVED,
+--                or REQUEUED after it was sent again): token taken, attempt 1
+--   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired, or a reservation
+--                of a task that ran before: new token, attempt + 1
 --   "duplicate"  a live owner holds it (RUNNING or STALLED, not expired): do not run
 --   "done"       a result was stored, or the owner ended the task: do not run. A delivery
 --                of another publish (the task id applied again, as Celery allows: a frozen
@@ -116,6 +118,14 @@ if status then
     end
   end
   code = 'takeover'
+  if status == 'RESERVED' or status == 'REQUEUED' then
+    redis.call('HDEL', KEYS[1], 'reservedBy', 'reservedAt')
+    if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') == 0 then
+      -- Received (and perhaps sent again) but never started: this is its first start.
+      code = 'new'
+      status = ''
+    end
+  end
 else
   status = ''
 end

@@ -17,8 +17,10 @@
 -- Returns {code, cause, lease fields as a flat list}:
 --   "requeued"   claimed: the caller re-sends the original call (cause: "stalled", "gone",
 --                "redrive" for an abandoned task put back by an operator: these count as
---                takeovers; "resend" for a re-send after the requeue timeout and "retry" for
---                a retry message not started: these never count, and never abandon)
+--                takeovers; "resend" for a re-send after the requeue timeout, "retry" for
+--                a retry message not started and "unstarted" for a message a worker received
+--                and did not start within the start timeout: these never count, and never
+--                abandon)
 --   "abandoned"  takeovers exhausted: FAILURE stored, lease ABANDONED
 --   "not-due"    live or not yet due: the index entry was moved to the real due time
 --   "waiting"    a re-sent (or retry) message still waits in the queue and was sent as often
@@ -60,6 +62,8 @@ elseif status == 'REQUEUED' then
   cause = 'resend'
 elseif status == 'RETRYING' then
   cause = 'retry'
+elseif status == 'RESERVED' then
+  cause = 'unstarted'
 elseif f[5] and status == 'RUNNING' then
   cause = 'stalled'
 else
@@ -68,6 +72,15 @@ end
 
 local max_takeovers = tonumber(f[4] or '0')
 local takeovers = tonumber(f[3] or '0')
+if cause == 'unstarted' then
+  -- The receiving worker dropped the message (connection lost, worker killed) or holds it
+  -- behind a stuck process: one message more, once per start timeout, never a takeover.
+  local next_due = now + tonumber(ARGV[2])
+  redis.call('ZADD', KEYS[3], next_due, KEYS[1])
+  redis.call('HSET', KEYS[1], 'status', 'REQUEUED', 'requeuedAt', now, 'leaseExpireAt', next_due,
+    'claimCause', cause)
+  return {'requeued', cause, redis.call('HGETALL', KEYS[1])}
+end
 if cause == 'resend' or cause == 'retry' then
   -- Nobody acquired a message that is already in the queue: a backlog, not a failure. It
   -- is sent again at most max(maxTakeovers, 1) times in all, never counted as a takeover

@@ -27,6 +27,7 @@ def test_defaults_match_the_contract() -> None:
     assert policy.max_takeovers == 3 and policy.max_task_duration is None
     assert policy.interrupt_on_loss is True
     assert conf.reaper_interval == 5 and conf.takeover_grace == 0 and conf.requeue_timeout == 60
+    assert conf.start_timeout == 60
     assert set(DEFAULTS) == {
         "fenced_key_prefix",
         "fenced_lease_ttl",
@@ -41,6 +42,7 @@ def test_defaults_match_the_contract() -> None:
         "fenced_reaper_interval",
         "fenced_takeover_grace",
         "fenced_requeue_timeout",
+        "fenced_start_timeout",
     }
 
 

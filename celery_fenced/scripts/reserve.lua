@@ -1,0 +1,52 @@
+-- reserve.lua: a worker received messages of fenced tasks: record each reservation where no
+-- live lease exists, so a message dropped before it starts is sent again.
+--
+-- Celery drops a worker's prefetched and eta requests when its broker connection is lost,
+-- and a killed worker takes them with it; kombu's Redis transport then holds the messages
+-- for an hour. A reservation that expires before the task starts is claimed by the reaper
+-- (cause "unstarted") and its recorded call sent again.
+--
+-- KEYS[1]    expiry index
+-- KEYS[2..]  one lease hash per message
+-- ARGV[1]    reservedBy: the receiving worker's hostname
+-- then five values per message, in the order of KEYS[2..]:
+--            ms until the reservation expires (the eta's delay + the start timeout),
+--            taskName, the recorded call (JSON, may be ""), maxTakeovers, publishId (may be "")
+--
+-- A lease that is missing, RESERVED (a copy received again) or REQUEUED (a re-sent message
+-- received) becomes RESERVED; every other one is left alone: a live owner, a finished
+-- task, a retry or a lapsed lease waiting for the reaper.
+--
+-- Returns a list of codes, one per message: "reserved" | "left"
+local now = now_ms()
+local codes = {}
+for i = 2, #KEYS do
+  local at = 2 + (i - 2) * 5
+  local key = KEYS[i]
+  local expires_at = now + tonumber(ARGV[at])
+  local status = redis.call('HGET', key, 'status')
+  if not status then
+    local fields = {'status', 'RESERVED', 'reservedBy', ARGV[1], 'reservedAt', now,
+      'leaseExpireAt', expires_at, 'taskName', ARGV[at + 1], 'maxTakeovers', ARGV[at + 3],
+      'attempt', 0, 'takeovers', 0}
+    if ARGV[at + 2] ~= '' then
+      fields[#fields + 1] = 'call'
+      fields[#fields + 1] = ARGV[at + 2]
+    end
+    if ARGV[at + 4] ~= '' then
+      fields[#fields + 1] = 'publishId'
+      fields[#fields + 1] = ARGV[at + 4]
+    end
+    redis.call('HSET', key, unpack(fields))
+    redis.call('ZADD', KEYS[1], expires_at, key)
+    codes[#codes + 1] = 'reserved'
+  elseif status == 'RESERVED' or status == 'REQUEUED' then
+    redis.call('HSET', key, 'status', 'RESERVED', 'reservedBy', ARGV[1], 'reservedAt', now,
+      'leaseExpireAt', expires_at)
+    redis.call('ZADD', KEYS[1], expires_at, key)
+    codes[#codes + 1] = 'reserved'
+  else
+    codes[#codes + 1] = 'left'
+  end
+end
+return codes

@@ -25,7 +25,7 @@ from .state import CancelOutcome, RedriveOutcome
 from .store import LeaseStore, lease_store_of
 from .tuning import suggest
 
-__all__ = ["LISTED_STATES", "ClusterCollector", "fenced", "render_lease", "typed_fields"]
+__all__ = ["LISTED_STATES", "LIVE_STATES", "fenced", "render_lease", "typed_fields"]
 
 
 def _app(ctx: click.Context) -> Any:
@@ -53,8 +53,11 @@ def fenced(ctx: click.Context) -> None:
     """Progress-aware leases: status, inspect, cancel, redrive, metrics, tune, flower."""
 
 
-#: The statuses ``status --state`` selects; live ones (RUNNING, STALLED) are listed by default.
-LISTED_STATES = ("RUNNING", "STALLED", "LAPSED", "REQUEUED", "RETRYING", "ABANDONED")
+#: The statuses ``status --state`` selects; live ones (RUNNING, STALLED, RESERVED) are listed by default.
+LISTED_STATES = ("RUNNING", "STALLED", "RESERVED", "LAPSED", "REQUEUED", "RETRYING", "ABANDONED")
+
+#: What ``status`` lists without ``--state`` or ``--all``.
+LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
 
 
 @fenced.command()
@@ -72,12 +75,13 @@ LISTED_STATES = ("RUNNING", "STALLED", "LAPSED", "REQUEUED", "RETRYING", "ABANDO
 def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...]) -> None:
     """A table of leases: task, owner, token, stage, seconds since progress, seconds left.
 
-    By default the live ones (RUNNING, STALLED); ``--state`` or ``--all`` for the others,
-    ABANDONED tasks (the dead letters, for ``redrive``) included.
+    By default the live ones (RUNNING, STALLED, and RESERVED: received by the worker named
+    as owner, not started; LEFT is the time until it is sent again); ``--state`` or ``--all``
+    for the others, ABANDONED tasks (the dead letters, for ``redrive``) included.
     """
     app = _app(ctx)
     store = _store(app)
-    selected = {state.upper() for state in wanted} or set(LISTED_STATES if show_all else ("RUNNING", "STALLED"))
+    selected = {state.upper() for state in wanted} or set(LISTED_STATES if show_all else LIVE_STATES)
     now = store.server_time_ms()
     rows = [s for s in store.read_many(store.indexed_task_ids(limit)) if s.status in selected]
     if "ABANDONED" in selected:
@@ -113,11 +117,14 @@ def _seconds(value: float | None) -> str:
 
 def _row(state: Any, now: int) -> dict[str, Any]:
     ended = state.status == "ABANDONED"
+    reserved = state.status == "RESERVED"
     return {
         "task_id": state.task_id,
         "name": state.task_name,
         "status": state.status,
-        "owner": state.owner_id,
+        "owner": f"{state.reserved_by} (received)" if reserved else state.owner_id,
+        "reserved_by": state.reserved_by or None,
+        "seconds_since_received": None if state.reserved_at is None else (now - state.reserved_at) / 1000,
         "token": state.owner_token,
         "stage": state.current_stage,
         "seconds_since_progress": None if state.last_progress_at is None else (now - state.last_progress_at) / 1000,

@@ -2,6 +2,8 @@
 
 * :mod:`~celery_fenced.worker.hooks`: Celery's signals and bootsteps call in here; the
   worker is checked at start and runs the reaper thread.
+* :mod:`~celery_fenced.worker.reservations`: reserve each fenced task the worker receives,
+  so a message dropped before it starts is sent again.
 * :mod:`~celery_fenced.worker.attempt`: :class:`~celery_fenced.worker.attempt.Attempt`,
   what the worker knows of one running delivery (its lease, why it is skipped, how it ends).
 * :mod:`~celery_fenced.worker.lifecycle`: take the lease before the body, serve it with the

@@ -33,11 +33,13 @@ from .attempt import begin
 from .interrupt import install_interrupt_handler, set_pool_kind
 from .lifecycle import acquire, release, stop_heartbeats
 from .reaper_thread import ReaperThread
+from .reservations import ReservationWriter, writer_of
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
     "ChildExitWatch",
     "FencedWorkerStep",
+    "ReconnectWatch",
     "check_worker",
     "connect_worker_hooks",
     "lease_redis_reachable",
@@ -61,6 +63,7 @@ def connect_worker_hooks(app: Celery) -> None:
     if not first_time(app, "worker hooks"):
         return
     signals.before_task_publish.connect(tag_publish, weak=False, dispatch_uid="celery_fenced.publish")
+    signals.task_received.connect(_on_task_received, weak=False, dispatch_uid="celery_fenced.received")
     signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
     signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
     signals.worker_process_init.connect(_on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init")
@@ -69,6 +72,7 @@ def connect_worker_hooks(app: Celery) -> None:
     )
     app.steps["worker"].add(FencedWorkerStep)
     app.steps["consumer"].add(ChildExitWatch)
+    app.steps["consumer"].add(ReconnectWatch)
     register_reaper_task(app)
 
 
@@ -144,6 +148,7 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
         quiet_reaper_runs()
         self.reaper: ReaperThread | None = None
+        self.reservations: ReservationWriter | None = None
 
     def start(self, parent: Any) -> None:
         set_pool_kind(pool_kind_of(parent.pool_cls))
@@ -154,8 +159,12 @@ class FencedWorkerStep(bootsteps.StartStopStep):
             warn_if_redis_can_evict(app)
         self.reaper = ReaperThread(app)
         self.reaper.start()
+        self.reservations = ReservationWriter(app, parent.hostname, on_dropped=self.reaper.wake)
+        self.reservations.start()
 
     def stop(self, parent: Any) -> None:
+        if self.reservations is not None:
+            self.reservations.stop()
         if self.reaper is not None:
             self.reaper.stop()
         stop_heartbeats()
@@ -203,6 +212,29 @@ def quiet_reaper_runs() -> None:
         target = logging.getLogger(name)
         if _QUIET not in target.filters:
             target.addFilter(_QUIET)
+
+
+class ReconnectWatch(bootsteps.StartStopStep):
+    """Consumer: after a lost broker connection, the unstarted requests Celery dropped are sent again.
+
+    Celery's consumer restarts its steps when it reconnects, and drops the requests it held
+    in its prefetch buffer and eta timer (``Consumer.on_close``): their reservations are made
+    due at once (see :meth:`~celery_fenced.worker.reservations.ReservationWriter.dropped`).
+    """
+
+    label = "celery-fenced reconnect watch"
+    # Started once the connection step has connected (it retries until it can).
+    requires = ("celery.worker.consumer.connection:Connection",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.connected_before = False
+
+    def start(self, parent: Any) -> None:
+        writer = writer_of(parent.app)
+        if self.connected_before and writer is not None:
+            writer.dropped()
+        self.connected_before = True
 
 
 class ChildExitWatch(bootsteps.StartStopStep):
@@ -255,6 +287,15 @@ def warn_if_redis_can_evict(app: Celery) -> None:
 
 
 # -- signal receivers ---------------------------------------------------------------------------
+
+
+def _on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = getattr(request, "task", None)
+    if task is None or not _is_fenced(task):
+        return
+    writer = writer_of(task.app)
+    if writer is not None:
+        writer.received(request)
 
 
 def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, **_: Any) -> None:

@@ -15,17 +15,13 @@ Several workers, and beat's message too, may reap at once: each lease is claimed
 atomic script, so only one of them re-sends a task. A re-sent task still needs a process:
 a lost lease frees its slot when the body is interrupted (``fenced_interrupt_on_loss``).
 
-The prefork pool forks new children while this thread runs. A fork in the middle of a pass
-would hand the child locks the pass holds (Python 3.11's ``cached_property`` lock, one per
-class, is one of them), and the child would wait for them for good. So a pass holds
-:data:`_PASS_LOCK` throughout, and a fork takes it first: it waits for the pass under way to
-end, and the child starts with no pass half done.
+A pass holds :data:`~celery_fenced.worker.fork_guard.FORK_GUARD` throughout, so a fork of the
+prefork pool waits for it to end.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 
@@ -33,20 +29,11 @@ from celery import Celery
 
 from ..conf import ensure_conf
 from ..reaper import reap
+from .fork_guard import FORK_GUARD
 
 __all__ = ["ReaperThread"]
 
 logger = logging.getLogger("celery_fenced.reaper")
-
-#: Held by a reaper pass from start to end, and by a fork (see the module's docstring).
-_PASS_LOCK = threading.Lock()
-
-
-def _release_after_fork() -> None:
-    _PASS_LOCK.release()
-
-
-os.register_at_fork(before=_PASS_LOCK.acquire, after_in_parent=_release_after_fork, after_in_child=_release_after_fork)
 
 
 class ReaperThread:
@@ -61,6 +48,7 @@ class ReaperThread:
         self.interval = ensure_conf(app).reaper_interval
         self.passes = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None  # the error last logged, so an outage logs once
 
@@ -75,6 +63,7 @@ class ReaperThread:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and join it."""
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -82,15 +71,23 @@ class ReaperThread:
     def _run(self) -> None:
         # A random first wait: workers started together do not all reap at the same instant.
         wait = random.uniform(0, self.interval)
-        while not self._stop.wait(wait):
+        while not self._stop.is_set():
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.run_once()
             wait = self.interval
+
+    def wake(self) -> None:
+        """Run a pass now, not at the end of the wait under way."""
+        self._wake.set()
 
     def run_once(self) -> None:
         """One pass; an error is logged once while it lasts, and the thread goes on."""
         self.passes += 1
         try:
-            with _PASS_LOCK:
+            with FORK_GUARD:
                 reap(self.app)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"

@@ -14,11 +14,21 @@ from typing import Any
 
 from celery.worker.request import Request
 
+from .reservations import writer_of
+
 __all__ = ["FencedRequest"]
 
 
 class FencedRequest(Request):
-    """Celery's worker request; its context also carries the pid of the process running it."""
+    """Celery's worker request; its context also carries the pid of the process running it,
+    and a process accepting it ends the worker's hold on its reservation."""
+
+    def on_accepted(self, pid: Any, time_accepted: float) -> None:
+        """Celery's handler of a process accepting the task; the reservation is no longer held."""
+        super().on_accepted(pid, time_accepted)
+        writer = writer_of(self.task.app)
+        if writer is not None:
+            writer.started(self.id)
 
     @property
     def _context(self) -> Any:

@@ -69,6 +69,7 @@ def note_run(task: Any, **extra: Any) -> None:
         "hostname": task.request.hostname,
         "token": task.fencing_token,
         "attempt": attempt_number(task),
+        "started": time.time(),
         **extra,
     }
     record().rpush(f"runs:{task.request.id}", json.dumps(entry))

@@ -1,0 +1,194 @@
+"""Reserve on receipt: the lease begins when the worker's main process receives the message.
+
+A message a worker received waits in its prefetch buffer or eta timer before a process
+starts it. Celery drops those requests when the broker connection is lost, a killed worker
+takes them with it, and kombu's Redis transport then holds the messages for an hour. So the
+main process records a reservation for each fenced task it receives (``RESERVED``, the
+message's call, this worker, an expiry of eta + ``fenced_start_timeout``), and the reaper
+sends again any whose task did not start in time (cause ``unstarted``).
+
+* :meth:`ReservationWriter.received` runs on the consumer's event loop: it only queues the
+  request. A thread of the main process builds the reservations and writes each batch with
+  one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`): one round trip per
+  batch, none on a task process's path.
+* :meth:`ReservationWriter.started` forgets a request a process accepted.
+* :meth:`ReservationWriter.dropped`, at a reconnect, makes the reservations of the requests
+  Celery dropped due now, and wakes the reaper: their re-send waits for neither the start
+  timeout nor beat.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any
+
+from celery import Celery
+
+from ..calls import PUBLISH_ID_HEADER, recorded_call
+from ..conf import ensure_conf
+from ..state import Reservation
+from ..store import lease_store_of
+from .fork_guard import FORK_GUARD
+
+__all__ = ["MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
+
+logger = logging.getLogger(__name__)
+
+#: The most reservations written by one script call.
+MAX_BATCH = 500
+
+#: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
+MAX_HELD = 100_000
+
+_writers: dict[Celery, ReservationWriter] = {}
+
+
+def writer_of(app: Celery) -> ReservationWriter | None:
+    """The reservation writer of this worker's main process for ``app``, once started."""
+    return _writers.get(app)
+
+
+class ReservationWriter:
+    """Writes the reservations of the fenced tasks this worker receives, in batches.
+
+    Args:
+        app: the worker's app (its result backend is the fenced one).
+        hostname: the worker's node name, recorded as ``reservedBy``.
+        on_dropped: called after dropped reservations were made due (to wake the reaper).
+    """
+
+    def __init__(self, app: Celery, hostname: str, on_dropped: Callable[[], None] | None = None) -> None:
+        self.app = app
+        self.hostname = hostname
+        self.on_dropped = on_dropped
+        self.start_timeout = ensure_conf(app).start_timeout
+        self.written = 0
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._held: dict[str, None] = {}  # reserved here and not started: insertion order
+        self._held_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._failing: str | None = None
+
+    # -- the event loop's side: never waits ---------------------------------------------------
+
+    def received(self, request: Any) -> None:
+        """A fenced task's message arrived (``task_received``): reserve it soon."""
+        with self._held_lock:
+            self._held[request.id] = None
+            if len(self._held) > MAX_HELD:
+                del self._held[next(iter(self._held))]
+        self._queue.put(request)
+
+    def started(self, task_id: str) -> None:
+        """A process accepted the task: its reservation is no longer this worker's to drop."""
+        with self._held_lock:
+            self._held.pop(task_id, None)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread (idempotent) and make this the app's writer."""
+        _writers[self.app] = self
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._run, name="celery-fenced-reservations", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop the thread and join it."""
+        self._queue.put(None)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if _writers.get(self.app) is self:
+            del _writers[self.app]
+
+    def dropped(self) -> int:
+        """Celery dropped this worker's unstarted requests (a lost connection): make their
+        reservations due now, so the reaper sends them again at once. Returns how many."""
+        with self._held_lock:
+            task_ids, self._held = list(self._held), {}
+        if not task_ids:
+            return 0
+        try:
+            with FORK_GUARD:
+                store = lease_store_of(self.app, "reserve on receipt")
+                count: int = self.app.backend.retrying(partial(store.lapse_reserved, task_ids, self.hostname))
+        except Exception as exc:
+            logger.warning(
+                "could not make %d dropped reservations due (%r): they are sent again after fenced_start_timeout",
+                len(task_ids),
+                exc,
+            )
+            return 0
+        if count:
+            logger.warning("%d received tasks were dropped with the broker connection: they are sent again", count)
+            if self.on_dropped is not None:
+                self.on_dropped()
+        return count
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = any(item is None for item in batch)
+            requests = [item for item in batch if item is not None]
+            if requests:
+                self._write(requests)
+
+    def _write(self, requests: list[Any]) -> None:
+        reservations = [r for r in (self._reservation(request) for request in requests) if r is not None]
+        if not reservations:
+            return
+        try:
+            with FORK_GUARD:
+                store = lease_store_of(self.app, "reserve on receipt")
+                self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname))
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._failing:
+                logger.warning(
+                    "could not reserve %d received tasks (%s): a message dropped before it starts waits "
+                    "for the broker's redelivery",
+                    len(reservations),
+                    text,
+                )
+                self._failing = text
+            return
+        self._failing = None
+        self.written += len(reservations)
+
+    def _reservation(self, request: Any) -> Reservation | None:
+        try:
+            task = request.task
+            context = request._context
+            call = recorded_call(task, context)
+            delay = 0.0
+            eta = request.eta
+            if eta is not None:
+                delay = max(0.0, (eta - datetime.now(UTC)).total_seconds())
+                if call is not None:
+                    call["options"]["eta"] = eta  # a re-sent copy keeps its countdown
+            return Reservation(
+                task_id=request.id,
+                expires_in_ms=int((delay + self.start_timeout) * 1000),
+                task_name=task.name,
+                call=call,
+                max_takeovers=ensure_conf(self.app).policy_for(task).max_takeovers,
+                publish_id=str(getattr(context, PUBLISH_ID_HEADER, None) or ""),
+            )
+        except Exception:
+            logger.exception("could not reserve task %s", getattr(request, "id", None))
+            return None

@@ -8,9 +8,11 @@ message's call, this worker, an expiry of eta + ``fenced_start_timeout``), and t
 sends again any whose task did not start in time (cause ``unstarted``).
 
 * :meth:`ReservationWriter.received` runs on the consumer's event loop: it only queues the
-  request. A thread of the main process builds the reservations and writes each batch with
-  one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`): one round trip per
-  batch, none on a task process's path.
+  request. A thread of the main process gathers what arrives within :data:`GATHER` seconds,
+  drops what a process already started meanwhile (its lease covers it from then on: most
+  tasks, where a process is free, cost no round trip at all), and writes the rest with one
+  script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`): at most one round trip
+  per batch, none on a task process's path.
 * :meth:`ReservationWriter.started` forgets a request a process accepted.
 * :meth:`ReservationWriter.dropped`, at a reconnect, makes the reservations of the requests
   Celery dropped due now, and wakes the reaper: their re-send waits for neither the start
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
@@ -35,12 +38,15 @@ from ..state import Reservation
 from ..store import lease_store_of
 from .fork_guard import FORK_GUARD
 
-__all__ = ["MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
+__all__ = ["GATHER", "MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
 
 logger = logging.getLogger(__name__)
 
 #: The most reservations written by one script call.
 MAX_BATCH = 500
+
+#: How long the thread gathers received messages before it writes their reservations, seconds.
+GATHER = 0.02
 
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
 MAX_HELD = 100_000
@@ -73,6 +79,7 @@ class ReservationWriter:
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
+        self._takeovers: dict[str, int] = {}
 
     # -- the event loop's side: never waits ---------------------------------------------------
 
@@ -138,15 +145,18 @@ class ReservationWriter:
         stopping = False
         while not stopping:
             batch = [self._queue.get()]
+            if batch[0] is not None:
+                time.sleep(GATHER)  # let the batch fill, and the tasks a free process takes start
             while len(batch) < MAX_BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             stopping = any(item is None for item in batch)
-            requests = [item for item in batch if item is not None]
-            if requests:
-                self._write(requests)
+            with self._held_lock:
+                waiting = [item for item in batch if item is not None and item.id in self._held]
+            if waiting:
+                self._write(waiting)
 
     def _write(self, requests: list[Any]) -> None:
         reservations = [r for r in (self._reservation(request) for request in requests) if r is not None]
@@ -170,6 +180,12 @@ class ReservationWriter:
         self._failing = None
         self.written += len(reservations)
 
+    def _max_takeovers(self, task: Any) -> int:
+        value = self._takeovers.get(task.name)
+        if value is None:
+            value = self._takeovers[task.name] = ensure_conf(self.app).policy_for(task).max_takeovers
+        return value
+
     def _reservation(self, request: Any) -> Reservation | None:
         try:
             task = request.task
@@ -186,7 +202,7 @@ class ReservationWriter:
                 expires_in_ms=int((delay + self.start_timeout) * 1000),
                 task_name=task.name,
                 call=call,
-                max_takeovers=ensure_conf(self.app).policy_for(task).max_takeovers,
+                max_takeovers=self._max_takeovers(task),
                 publish_id=str(getattr(context, PUBLISH_ID_HEADER, None) or ""),
             )
         except Exception:

@@ -35,7 +35,7 @@ from celery import Celery
 from ..calls import PUBLISH_ID_HEADER, recorded_call
 from ..conf import ensure_conf
 from ..state import Reservation
-from ..store import lease_store_of
+from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
 
 __all__ = ["GATHER", "MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
@@ -123,9 +123,8 @@ class ReservationWriter:
         if not task_ids:
             return 0
         try:
-            with FORK_GUARD:
-                store = lease_store_of(self.app, "reserve on receipt")
-                count: int = self.app.backend.retrying(partial(store.lapse_reserved, task_ids, self.hostname))
+            store = self._store()
+            count: int = self.app.backend.retrying(partial(store.lapse_reserved, task_ids, self.hostname))
         except Exception as exc:
             logger.warning(
                 "could not make %d dropped reservations due (%r): they are sent again after fenced_start_timeout",
@@ -159,13 +158,16 @@ class ReservationWriter:
                 self._write(waiting)
 
     def _write(self, requests: list[Any]) -> None:
-        reservations = [r for r in (self._reservation(request) for request in requests) if r is not None]
+        # Built under the guard: a request's context is a cached_property, whose class-wide
+        # lock a fork must not copy while it is held. The round trip is made outside it, so
+        # a Redis outage does not hold up the pool's forks.
+        with FORK_GUARD:
+            reservations = [r for r in (self._reservation(request) for request in requests) if r is not None]
         if not reservations:
             return
         try:
-            with FORK_GUARD:
-                store = lease_store_of(self.app, "reserve on receipt")
-                self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname))
+            store = self._store()
+            self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname))
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:
@@ -179,6 +181,10 @@ class ReservationWriter:
             return
         self._failing = None
         self.written += len(reservations)
+
+    def _store(self) -> LeaseStore:
+        with FORK_GUARD:  # the backend and its store are cached_properties, built on first use
+            return lease_store_of(self.app, "reserve on receipt")
 
     def _max_takeovers(self, task: Any) -> int:
         value = self._takeovers.get(task.name)

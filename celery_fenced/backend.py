@@ -212,7 +212,7 @@ class FencedRedisBackend(RedisBackend):
         code = outcome.code
         if code == StoreOutcome.STORED:
             return
-        if code == StoreOutcome.STALE and writer is not None and writer.retry_sent and state == states.RETRY:
+        if writer is not None and writer.overtaken_by_its_retry(state, outcome):
             # The retry message was acquired before this RETRY write: the retry's new owner
             # holds the task now, and its STARTED must not be overwritten.
             logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, outcome.detail)

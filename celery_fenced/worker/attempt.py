@@ -83,10 +83,11 @@ class Attempt:
         """The stage the body last reported, for the log."""
         return self.lease.stage if self.lease is not None else None
 
-    @property
-    def retry_sent(self) -> bool:
-        """``retry()`` moved its lease to RETRYING before sending the retry message."""
-        return self.lease is not None and self.lease.retrying
+    def overtaken_by_its_retry(self, state: str, outcome: StoreResult) -> bool:
+        """A RETRY write refused because the retry message it sent already acquired the task
+        (``retry()`` moved the lease to RETRYING first): no loss, the retry is the owner now."""
+        retrying = self.lease is not None and self.lease.retrying
+        return retrying and state == states.RETRY and outcome.code == StoreOutcome.STALE
 
     def result_written(self, store: LeaseStore, app: Any, state: str, outcome: StoreResult) -> None:
         """The backend wrote (or refused) one of this attempt's results: end or lose its lease.
@@ -105,7 +106,7 @@ class Attempt:
                 lease.count_activity(ended=True)
                 if state == states.SUCCESS:
                     metrics.buffer.observe("owner_task_total_duration_seconds", time.monotonic() - lease.started)
-        elif outcome.code == StoreOutcome.STALE and not (self.retry_sent and state == states.RETRY):
+        elif outcome.code == StoreOutcome.STALE and not self.overtaken_by_its_retry(state, outcome):
             current = int(outcome.detail) if outcome.detail.isdigit() else None
             self._fenced(store, app, state, current)
 

@@ -109,6 +109,8 @@ def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: Leas
     lease = held(store)
     lease.retrying = True  # retry() moved the lease to RETRYING before sending the message
     attempt = Attempt(lease=lease)
-    assert attempt.retry_sent
-    attempt.result_written(store, app, "RETRY", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
+    stale = StoreResult(StoreOutcome.STALE, str(lease.token + 1))
+    assert attempt.overtaken_by_its_retry("RETRY", stale)
+    assert not attempt.overtaken_by_its_retry("SUCCESS", stale)
+    attempt.result_written(store, app, "RETRY", stale)
     assert lease.lost_reason is None

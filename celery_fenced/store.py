@@ -86,6 +86,32 @@ class LeaseStore:
         self.keys = keys
         self.scripts = ScriptSet(client)
 
+    # -- the receiving worker's side ------------------------------------------------------
+
+    def reserve_many(self, reservations: Sequence[Reservation], reserved_by: str) -> list[ReserveOutcome]:
+        """Record the reservations of messages one worker received, in one round trip.
+
+        Only where no live lease exists: a missing lease, a reservation or a re-sent task's
+        becomes ``RESERVED`` by ``reserved_by``; any other is left alone.
+        """
+        if not reservations:
+            return []
+        keys = [self.keys.index]
+        args: list[Any] = [reserved_by]
+        for item in reservations:
+            keys.append(self.keys.lease(_require_task_id(item.task_id)))
+            call_json = _CALL_ENCODER.encode(item.call) if item.call else ""
+            args += [max(0, int(item.expires_in_ms)), item.task_name, call_json, item.max_takeovers, item.publish_id]
+        codes = self.scripts.reserve(keys=keys, args=args)
+        return [outcome(ReserveOutcome, "reserve", code) for code in codes]
+
+    def lapse_reserved(self, task_ids: Iterable[str], reserved_by: str) -> int:
+        """Make the reservations ``reserved_by`` still holds for ``task_ids`` due now; how many."""
+        keys = [self.keys.index] + [self.keys.lease(_require_task_id(task_id)) for task_id in task_ids]
+        if len(keys) == 1:
+            return 0
+        return int(self.scripts.lapse_reserved(keys=keys, args=[reserved_by]))
+
     # -- owner side ---------------------------------------------------------------------
 
     def acquire(
@@ -152,34 +178,6 @@ class LeaseStore:
             ]
         codes = self.scripts.renew(keys=keys, args=args)
         return [outcome(RenewOutcome, "renew", code) for code in codes]
-
-    # -- the receiving worker's side ------------------------------------------------------
-
-    def reserve_many(self, reservations: Sequence[Reservation], reserved_by: str) -> list[ReserveOutcome]:
-        """Record the reservations of messages one worker received, in one round trip.
-
-        Only where no live lease exists: a missing lease, a reservation or a re-sent task's
-        becomes ``RESERVED`` by ``reserved_by``; any other is left alone.
-        """
-        if not reservations:
-            return []
-        keys = [self.keys.index]
-        args: list[Any] = [reserved_by]
-        for item in reservations:
-            keys.append(self.keys.lease(_require_task_id(item.task_id)))
-            call_json = _CALL_ENCODER.encode(item.call) if item.call else ""
-            args += [max(0, int(item.expires_in_ms)), item.task_name, call_json, item.max_takeovers, item.publish_id]
-        codes = self.scripts.reserve(keys=keys, args=args)
-        return [outcome(ReserveOutcome, "reserve", code) for code in codes]
-
-    def lapse_reserved(self, task_ids: Iterable[str], reserved_by: str) -> int:
-        """Make the reservations ``reserved_by`` still holds for ``task_ids`` due now; how many."""
-        keys = [self.keys.index] + [self.keys.lease(_require_task_id(task_id)) for task_id in task_ids]
-        if len(keys) == 1:
-            return 0
-        return int(self.scripts.lapse_reserved(keys=keys, args=[reserved_by]))
-
-    # -- the owner's side, continued -------------------------------------------------------
 
     def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str) -> LapseOutcome:
         """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out."""

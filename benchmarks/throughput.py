@@ -157,7 +157,7 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
 
 def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
     from benchmarks import bench_app
-    from celery_fenced.state import RenewRequest
+    from celery_fenced.state import ProgressReport, RenewRequest
 
     store = bench_app.app.backend.lease_store
     rows = []
@@ -166,7 +166,9 @@ def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
             store.acquire(f"renew-{leases}-{i}", "bench/1/a", ttl_ms=30_000, task_name="bench", max_takeovers=3).state
             for i in range(leases)
         ]
-        requests = [RenewRequest(s.task_id, "bench/1/a", s.owner_token, 30_000, "", 1, 0) for s in states]
+        requests = [
+            RenewRequest(s.task_id, "bench/1/a", s.owner_token, 30_000, ProgressReport("", 1, 0)) for s in states
+        ]
         harness.client.config_resetstat()
         store.renew_many(requests)
         calls = sum(v for k, v in commands(harness.client).items() if k in ("cmdstat_evalsha", "cmdstat_eval"))

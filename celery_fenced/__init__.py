@@ -9,10 +9,11 @@ from __future__ import annotations
 from .backend import FencedRedisBackend
 from .exceptions import LeaseLostError, StaleOwnerError, TaskAbandonedError
 from .reaper import install, reap
-from .state import LeaseState
+from .state import Checkpoint, LeaseState
 from .task import ProgressLeasedTask
 
 __all__ = [
+    "Checkpoint",
     "FencedRedisBackend",
     "LeaseLostError",
     "LeaseState",

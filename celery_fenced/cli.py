@@ -225,12 +225,17 @@ def _is_time_field(name: str) -> bool:
     return name.endswith("At")
 
 
+#: Lease fields that hold JSON.
+_JSON_FIELDS = frozenset({"call", "details", "checkpoint"})
+
+
 def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
-    """The lease hash with its values typed: whole numbers as ints, the call as an object."""
+    """The lease hash with its values typed: whole numbers as ints; the call, the details and
+    the checkpoint as objects."""
     fields: dict[str, Any] = {}
     for name, text in raw.items():
         value: Any = text
-        if name == "call":
+        if name in _JSON_FIELDS:
             try:
                 value = json.loads(text)
             except ValueError:
@@ -253,6 +258,8 @@ def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
             age = (now_ms - value) / 1000
             when = f"{abs(age):.1f}s ago" if age >= 0 else f"in {-age:.1f}s"
             shown = f"{moment.isoformat(timespec='milliseconds').replace('+00:00', 'Z')} ({when})"
+        elif isinstance(value, Mapping):
+            shown = json.dumps(value, sort_keys=True, ensure_ascii=False)
         else:
             shown = str(value) if value != "" else "-"
         lines.append(f"  {name.ljust(width)}  {shown}")

@@ -64,6 +64,7 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "fenced_takeover_grace": 0.0,
         "fenced_requeue_timeout": 60.0,
         "fenced_start_timeout": 60.0,
+        "fenced_max_detail_bytes": 4096,
     }
 )
 
@@ -161,6 +162,8 @@ class TaskPolicy:
     max_takeovers: int
     max_task_duration: float | None
     interrupt_on_loss: bool
+    #: The largest JSON size of one ``progress()`` call's details (``fenced_max_detail_bytes``).
+    max_detail_bytes: int = DEFAULTS["fenced_max_detail_bytes"]
 
     def stage_timeout(self, stage: str | None) -> float:
         """Return ``maxNoProgress`` for a (normalised) stage: its table entry or the default."""
@@ -260,6 +263,9 @@ def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
         max_takeovers=_positive_int(source("max_takeovers"), get("max_takeovers"), minimum=0),
         max_task_duration=_positive_seconds(source("max_task_duration"), get("max_task_duration"), allow_none=True),
         interrupt_on_loss=interrupt,
+        max_detail_bytes=_positive_int(
+            "fenced_max_detail_bytes", values.get("fenced_max_detail_bytes", DEFAULTS["fenced_max_detail_bytes"])
+        ),
     )
 
 

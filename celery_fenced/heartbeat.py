@@ -223,7 +223,8 @@ class Heartbeat:
 
     def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
         try:
-            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode)
+            progress, _ = lease.report(self._clock())
+            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False
@@ -233,18 +234,17 @@ class Heartbeat:
 
     def _renew(self, batch: list[tuple[OwnedLease, bool]]) -> None:
         sent = self._clock()
+        reports = [lease.report(sent) for lease, _ in batch]
         requests = [
             RenewRequest(
                 task_id=lease.task_id,
                 owner_id=lease.owner_id,
                 token=lease.token,
                 ttl_ms=lease.policy.lease_ttl_ms,
-                stage=lease.stage or "",
-                progress_version=lease.version,
-                progress_age_ms=int((sent - lease.last_progress) * 1000),
+                progress=report,
                 stalled=stalled,
             )
-            for lease, stalled in batch
+            for (lease, stalled), (report, _) in zip(batch, reports, strict=True)
         ]
         try:
             codes = self._get_store().renew_many(requests)
@@ -256,9 +256,10 @@ class Heartbeat:
                     self._lose(lease, "expired: no renewal within the lease ttl")
             return
         renewed = []
-        for (lease, _), code in zip(batch, codes, strict=True):
+        for (lease, _), (_, details), code in zip(batch, reports, codes, strict=True):
             if code == RenewOutcome.OK:
                 lease.renewed = sent
+                lease.published_details = details
                 renewed.append(lease)
                 metrics.buffer.inc("owner_lease_renew_total")
             elif code == RenewOutcome.MISSING and self._restore(lease):

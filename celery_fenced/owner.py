@@ -8,6 +8,8 @@ clock: the wall clock never decides anything.
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -15,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import metrics
-from .conf import TaskPolicy, normalise_stage
+from .conf import DEFAULTS, TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
+from .state import Checkpoint, ProgressReport
 
 __all__ = [
     "LOCAL_EXPIRY_MARGIN",
@@ -24,6 +27,7 @@ __all__ = [
     "StageDeadline",
     "check_details",
     "current_lease",
+    "encode_details",
     "set_current_lease",
 ]
 
@@ -63,12 +67,54 @@ def _stage(name: str) -> str:
         return normal
 
 
-def check_details(details: Mapping[str, Any]) -> None:
-    """Refuse progress details that are not str, int, float, bool or None."""
+# Upper bounds of a value's JSON size, so that the usual small details need no encoding at the
+# call: a character is at most 6 bytes (``\u0000``), a float's repr at most 24 characters.
+_CHAR_BOUND = 6
+_FLOAT_BOUND = 24
+_INT_BOUND = 20  # digits and sign of an int below 10**19
+_SMALL_INT = 10**19
+
+
+def encode_details(details: Mapping[str, Any]) -> str:
+    """Progress details as the lease's ``details`` field holds them: compact UTF-8 JSON."""
+    return json.dumps(details, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def check_details(details: Mapping[str, Any], max_bytes: int = DEFAULTS["fenced_max_detail_bytes"]) -> None:
+    """Refuse progress details that cannot be a checkpoint, cheaply (no encoding when small).
+
+    Raises:
+        TypeError: a value that is not str, int, float, bool or None.
+        ValueError: a float that JSON cannot hold (NaN, infinity), or details whose JSON is
+            larger than ``max_bytes``.
+    """
+    bound = 2
     for key, value in details.items():
-        if type(value) not in _DETAIL_TYPES:
+        kind = type(value)
+        if kind is str:
+            bound += len(value) * _CHAR_BOUND + 2
+        elif kind is int:
+            bound += _INT_BOUND if -_SMALL_INT < value < _SMALL_INT else max_bytes + 1
+        elif kind is float:
+            if not math.isfinite(value):
+                raise ValueError(f"progress detail {key!r} must be a finite number to be JSON, got {value!r}")
+            bound += _FLOAT_BOUND
+        elif kind is bool or value is None:
+            bound += 5
+        else:
             raise TypeError(
                 f"progress detail {key!r} must be str, int, float, bool or None, got {type(value).__name__}"
+            )
+        bound += len(key) * _CHAR_BOUND + 4
+    if bound > max_bytes:
+        try:
+            size = len(encode_details(details).encode("utf-8"))
+        except ValueError as exc:  # an int too long to print
+            raise ValueError(f"progress details cannot be JSON: {exc}") from None
+        if size > max_bytes:
+            raise ValueError(
+                f"progress details are {size} bytes of JSON, more than fenced_max_detail_bytes ({max_bytes}): "
+                "a checkpoint says where to resume (a count, an offset, an id), it does not carry the data"
             )
 
 
@@ -106,6 +152,10 @@ class OwnedLease:
         thread_id: the thread running the body (for an interrupt).
         ended: the attempt ended its lease (a result write, a release, a hand-off).
         retrying: the lease was moved to RETRYING before ``retry()`` sent the retry message.
+        details: the latest ``progress()`` details (replaced by each call that gives some).
+        published_details: the details object the last accepted renewal wrote to Redis.
+        announced_details: the details object the last ``task-progress`` event carried.
+        checkpoint: what an earlier owner of the task id published (``None`` on a first attempt).
     """
 
     task_id: str
@@ -123,6 +173,9 @@ class OwnedLease:
     renewed: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     details: Mapping[str, Any] = field(default_factory=dict)
+    published_details: Mapping[str, Any] | None = None
+    announced_details: Mapping[str, Any] | None = None
+    checkpoint: Checkpoint | None = None
     lost_reason: str | None = None
     ended: bool = False
     retrying: bool = False
@@ -130,7 +183,7 @@ class OwnedLease:
     stall_checks_failed: int = 0
     stalled_reported: bool = False
     deadline: StageDeadline | None = None
-    published_stage: str | None = None
+    announced_stage: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     expiry_window: float = 0.0
     stage_started: float = field(default_factory=time.monotonic)
@@ -141,6 +194,7 @@ class OwnedLease:
     def __post_init__(self) -> None:
         # The local expiry check: renewal + TTL less the safety margin.
         self.expiry_window = self.policy.lease_ttl * (1 - LOCAL_EXPIRY_MARGIN)
+        self.published_details = self.announced_details = self.details  # nothing to publish yet
 
     # -- the body's side (hot path) ---------------------------------------------------------
 
@@ -150,7 +204,7 @@ class OwnedLease:
         if self.lost_reason is not None or now - self.renewed > self.expiry_window:
             self.raise_if_lost(now)
         if details:
-            check_details(details)
+            check_details(details, self.policy.max_detail_bytes)
             self.details = details
         gap = now - self.last_progress  # bounded by the deadline of the stage it ends
         if gap > self.stage_gap:
@@ -187,6 +241,17 @@ class OwnedLease:
             raise LeaseLostError(self.task_id, self.token, self.lost_reason or reason)
 
     # -- the heartbeat's side -------------------------------------------------------------
+
+    def report(self, now: float) -> tuple[ProgressReport, Mapping[str, Any]]:
+        """The progress to publish at ``now``, and the details object it carries.
+
+        The details are encoded only when they changed since the last accepted renewal;
+        hand the object to :attr:`published_details` once a renewal wrote them.
+        """
+        details = self.details  # read first: a progress() call in between is sent next time
+        text = encode_details(details) if details is not self.published_details else ""
+        age_ms = int((now - self.last_progress) * 1000)
+        return ProgressReport(self.stage or "", self.version, age_ms, text), details
 
     def take_activity(self, *, ended: bool = False) -> tuple[int, list[tuple[str | None, float, float]]]:
         """Progress calls and finished stages since the last call.

@@ -19,12 +19,14 @@ __all__ = [
     "AcquireOutcome",
     "AcquireResult",
     "CancelOutcome",
+    "Checkpoint",
     "ClaimOutcome",
     "ClaimResult",
     "LapseNowOutcome",
     "LapseOutcome",
     "LeaseState",
     "LeaseStatus",
+    "ProgressReport",
     "RedriveOutcome",
     "ReleaseOutcome",
     "RenewOutcome",
@@ -263,6 +265,11 @@ class LeaseState:
         return call
 
     @property
+    def details(self) -> Mapping[str, Any]:
+        """The latest ``progress()`` details an owner published (``{}`` when none)."""
+        return _json_object(self.raw.get("details"))
+
+    @property
     def is_live(self) -> bool:
         """True while an owner holds the lease (RUNNING or STALLED)."""
         return self.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
@@ -273,26 +280,93 @@ class LeaseState:
         return self.status in (LeaseStatus.DONE, LeaseStatus.ABANDONED)
 
 
+def _json_object(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)  # type: ignore[no-untyped-call]
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The last progress an earlier owner of a task id published: where a new owner resumes.
+
+    ``self.checkpoint`` of a :class:`~celery_fenced.ProgressLeasedTask` gives it to a
+    takeover, and to a retry (the same task id); ``None`` when no earlier owner published
+    progress (always on a first attempt). It is published at the heartbeat's pace, so it may
+    be up to one heartbeat interval older than the owner's last ``progress()`` call.
+
+    Attributes:
+        stage: the stage of that owner's last published progress (``None`` when it had none).
+        details: its last published ``progress()`` details.
+        attempt: the attempt number of the owner that published it.
+        token: the fencing token of the owner that published it.
+    """
+
+    stage: str | None
+    details: Mapping[str, Any]
+    attempt: int
+    token: int
+
+    @classmethod
+    def from_json(cls, text: str) -> Checkpoint | None:
+        """Read the checkpoint the acquire answered (``None`` for ``""`` or an unreadable one)."""
+        fields = _json_object(text)
+        if not fields:
+            return None
+        details = fields.get("details")
+        return cls(
+            stage=fields.get("stage") or None,
+            details=details if isinstance(details, dict) else {},
+            attempt=int(fields.get("attempt") or 0),
+            token=int(fields.get("token") or 0),
+        )
+
+
 @dataclass(frozen=True)
 class AcquireResult:
-    """The answer of :meth:`LeaseStore.acquire`."""
+    """The answer of :meth:`LeaseStore.acquire`; ``checkpoint`` only for a takeover or a retry."""
 
     outcome: AcquireOutcome
     previous_status: str
     state: LeaseState
+    checkpoint: Checkpoint | None = None
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """An owner's progress as the scripts publish it.
+
+    Attributes:
+        stage: the current stage (``""`` when none).
+        version: the progress version (how many ``progress()`` calls).
+        age_ms: how long ago, by the owner's monotonic clock, that version was made.
+        details: JSON of the latest details, ``""`` when they are already published.
+    """
+
+    stage: str = ""
+    version: int = 0
+    age_ms: int = 0
+    details: str = ""
+
+    def script_args(self) -> list[Any]:
+        """The four script arguments: stage, version, age in ms, details."""
+        return [self.stage, self.version, max(0, self.age_ms), self.details]
 
 
 @dataclass(frozen=True)
 class RenewRequest:
-    """One lease to renew in a batch (see :meth:`LeaseStore.renew_many`)."""
+    """One lease to renew in a batch (see :meth:`LeaseStore.renew_many`), with the progress
+    it publishes; ``stalled`` keeps an alert-mode lease STALLED."""
 
     task_id: str
     owner_id: str
     token: int
     ttl_ms: int
-    stage: str
-    progress_version: int
-    progress_age_ms: int
+    progress: ProgressReport
     stalled: bool = False
 
 

@@ -24,12 +24,14 @@ from .state import (
     AcquireOutcome,
     AcquireResult,
     CancelOutcome,
+    Checkpoint,
     ClaimOutcome,
     ClaimResult,
     LapseNowOutcome,
     LapseOutcome,
     LeaseState,
     LeaseStatus,
+    ProgressReport,
     RedriveOutcome,
     ReleaseOutcome,
     RenewOutcome,
@@ -48,6 +50,9 @@ __all__ = ["LeaseStore", "is_fenced", "lease_store_of", "outcome"]
 #: kombu's JSON (datetimes, UUIDs, Decimals and bytes survive the round trip, as in Celery's
 #: own messages); one encoder for every call (it keeps no state between calls).
 _CALL_ENCODER = json.JSONEncoder()
+
+#: No progress to publish (a version of 0 is never newer than the stored one).
+_NO_PROGRESS = ProgressReport()
 
 
 E = TypeVar("E", bound=StrEnum)
@@ -137,11 +142,12 @@ class LeaseStore:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
         call_json = _CALL_ENCODER.encode(call) if call else ""
-        code, previous, flat = self._acquire(
+        code, previous, flat, *rest = self._acquire(
             task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id
         )
         answer = outcome(AcquireOutcome, "acquire", code)
-        return AcquireResult(answer, as_text(previous), LeaseState.from_flat(task_id, flat))
+        checkpoint = Checkpoint.from_json(as_text(rest[0])) if rest else None
+        return AcquireResult(answer, as_text(previous), LeaseState.from_flat(task_id, flat), checkpoint)
 
     def _acquire(
         self,
@@ -159,7 +165,8 @@ class LeaseStore:
         return list(self.scripts.acquire(keys=keys, args=args))
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:
-        """Renew many leases of one process in one round trip; one code per request."""
+        """Renew many leases of one process in one round trip, publishing their progress; one
+        code per request."""
         if not requests:
             return []
         keys = [self.keys.index]
@@ -167,24 +174,24 @@ class LeaseStore:
         for req in requests:
             _require_token(req.token)
             keys.append(self.keys.lease(req.task_id))
-            args += [
-                req.owner_id,
-                req.token,
-                req.ttl_ms,
-                req.stage,
-                req.progress_version,
-                max(0, req.progress_age_ms),
-                "STALLED" if req.stalled else "RUNNING",
-            ]
+            progress = req.progress
+            args += [req.owner_id, req.token, req.ttl_ms, progress.stage, progress.version, max(0, progress.age_ms)]
+            args += ["STALLED" if req.stalled else "RUNNING", progress.details]
         codes = self.scripts.renew(keys=keys, args=args)
         return [outcome(RenewOutcome, "renew", code) for code in codes]
 
-    def lapse(self, task_id: str, owner_id: str, token: int, *, mode: str) -> LapseOutcome:
-        """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out."""
+    def lapse(
+        self, task_id: str, owner_id: str, token: int, *, mode: str, progress: ProgressReport = _NO_PROGRESS
+    ) -> LapseOutcome:
+        """Report a stall: ``mode`` ``"release"`` gives the lease up now, ``"expire"`` lets it run out.
+
+        ``progress`` (the owner's last) is published first, for the next owner's checkpoint.
+        """
         if mode not in ("release", "expire"):
             raise ValueError(f"mode must be 'release' or 'expire', got {mode!r}")
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        answer = self.scripts.lapse(keys=keys, args=[owner_id, _require_token(token), mode])
+        args: list[Any] = [owner_id, _require_token(token), mode, *progress.script_args()]
+        answer = self.scripts.lapse(keys=keys, args=args)
         return outcome(LapseOutcome, "lapse", answer[0])
 
     def release(
@@ -196,12 +203,17 @@ class LeaseStore:
         status: LeaseStatus,
         due_in_ms: int = 0,
         keep_ms: int = 0,
+        progress: ProgressReport = _NO_PROGRESS,
     ) -> ReleaseOutcome:
-        """End an attempt without a READY result: DONE, RETRYING or REQUEUED."""
+        """End an attempt without a READY result: DONE, RETRYING or REQUEUED.
+
+        ``progress`` (the owner's last) is published first: a retry's checkpoint.
+        """
         if status not in (LeaseStatus.DONE, LeaseStatus.RETRYING, LeaseStatus.REQUEUED):
             raise ValueError(f"release takes DONE, RETRYING or REQUEUED, not {status!r}")
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         args: list[Any] = [owner_id, _require_token(token), status.value, max(0, due_in_ms), max(0, keep_ms)]
+        args += progress.script_args()
         return outcome(ReleaseOutcome, "release", self.scripts.release(keys=keys, args=args)[0])
 
     def restore(

@@ -26,10 +26,10 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 
 from . import metrics
-from .conf import normalise_stage, positive_seconds
+from .conf import ensure_conf, normalise_stage, positive_seconds
 from .exceptions import LeaseLostError, StaleOwnerError
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
-from .state import LeaseState
+from .state import Checkpoint, LeaseState
 from .store import is_fenced
 from .worker import lifecycle
 from .worker.attempt import attempt_of
@@ -167,19 +167,22 @@ class ProgressLeasedTask(Task):
         """Record real progress of the body: sets the stage (when given) and moves its version.
 
         In memory only: the heartbeat publishes it with its next renewal. ``details`` values
-        must be str, int, float, bool or None.
+        must be str, int, float, bool or None; the latest details given are published as the
+        lease's ``details`` and handed to the next owner as :attr:`checkpoint`.
 
         Raises:
             LeaseLostError: the lease is lost (taken over, fenced, released for stalling,
                 cancelled), or no renewal succeeded within the lease TTL.
             TypeError: a detail value of another type.
+            ValueError: a float JSON cannot hold (NaN, infinity), or details whose JSON is
+                larger than ``fenced_max_detail_bytes``.
         """
         lease = thread_state.lease  # a thread-local read: the request stack is much slower
         if lease is None or lease.task_name != self.name:
             lease = self._owned()
         if lease is None:  # eager or direct call: no lease, only check the arguments
             if details:
-                check_details(details)
+                check_details(details, ensure_conf(self.app).policy.max_detail_bytes)
             if stage is not None:
                 normalise_stage(stage)
             return
@@ -215,6 +218,19 @@ class ProgressLeasedTask(Task):
         """The fencing token of the running attempt (0 when running without a lease)."""
         lease = self._owned()
         return lease.token if lease is not None else 0
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """Where to resume: the last progress an earlier owner of this task id published.
+
+        Given to a takeover (after a stall, a kill, a lost worker) and to a retry, with the
+        acquire (no extra round trip); ``None`` on a first attempt, when no earlier owner
+        published progress, and when running without a lease (eager calls). It is published
+        at the heartbeat's pace, so it may be up to one ``heartbeat_interval`` older than the
+        earlier owner's last ``progress()``: resume from it with idempotent steps.
+        """
+        lease = self._owned()
+        return lease.checkpoint if lease is not None else None
 
     @property
     def lease(self) -> LeaseState | None:

@@ -7,6 +7,14 @@
 -- owner_refusal(key, owner_id, token)   why an owner's call on the lease at key is refused
 --                                       ("missing", "stale-token", "not-owner"), or nil,
 --                                       and the lease's status
+-- publish_progress(key, stored_version, now, stage, version, age_ms, details)
+--                                       write an owner's progress: progressVersion,
+--                                       lastProgressAt (server time minus the age the owner
+--                                       reports) and currentStage ("" = unchanged) when its
+--                                       version is newer than the stored one (read when
+--                                       stored_version is nil), so a late call never moves
+--                                       them back; details ("" = unchanged) whenever given
+--                                       (the caller has checked the owner)
 redis.replicate_commands()
 
 local function now_ms()
@@ -33,4 +41,27 @@ local function owner_refusal(key, owner_id, token)
     return 'not-owner', cur[1]
   end
   return nil, cur[1]
+end
+
+local function publish_progress(key, stored_version, now, stage, version, age, details)
+  local fields = {}
+  if version > 0 then
+    if stored_version == nil then
+      stored_version = redis.call('HGET', key, 'progressVersion')
+    end
+    if version > tonumber(stored_version or '0') then
+      fields = {'progressVersion', version, 'lastProgressAt', now - age}
+      if stage ~= '' then
+        fields[#fields + 1] = 'currentStage'
+        fields[#fields + 1] = stage
+      end
+    end
+  end
+  if details ~= '' then
+    fields[#fields + 1] = 'details'
+    fields[#fields + 1] = details
+  end
+  if #fields > 0 then
+    redis.call('HSET', key, unpack(fields))
+  end
 end

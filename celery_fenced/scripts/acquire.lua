@@ -14,7 +14,12 @@
 --
 -- An attempt that asks again (same ownerId: its reply was lost) gets "new" or "takeover" again.
 --
--- Returns {code, previous status or "", the owner's lease fields as a flat list}:
+-- The checkpoint: a takeover (and a retry, which is the same task id) gets the last progress an
+-- earlier owner published, as JSON {"stage", "details", "attempt", "token"}, kept in the
+-- `checkpoint` field: the previous owner's stage and details when it published progress,
+-- else the checkpoint it was given itself. "" when no owner published any.
+--
+-- Returns {code, previous status or "", the owner's lease fields as a flat list, checkpoint}:
 --   "new"        no lease existed, or only the reservation of a task never started (RESERVED,
 --                or REQUEUED after it was sent again): token taken, attempt 1
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired, or a reservation
@@ -99,7 +104,7 @@ if status == 'RUNNING' and redis.call('HGET', KEYS[1], 'ownerId') == ARGV[1] the
   if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1') > 1 then
     again = 'takeover'
   end
-  return {again, '', snapshot()}
+  return {again, '', snapshot(), redis.call('HGET', KEYS[1], 'checkpoint') or ''}
 end
 local rerun = false
 if status then
@@ -134,6 +139,24 @@ if rerun then
   status = ''
 end
 
+-- The checkpoint, read before the new owner's fields overwrite the previous owner's.
+local checkpoint = ''
+if code == 'takeover' then
+  local prev = redis.call('HMGET', KEYS[1], 'progressVersion', 'currentStage', 'details', 'attempt',
+    'ownerToken', 'checkpoint')
+  if tonumber(prev[1] or '0') > 0 then
+    -- Built as text: the details stay the owner's JSON, byte for byte (cjson would round numbers).
+    checkpoint = '{"stage":' .. cjson.encode(prev[2] or '') .. ',"details":' .. (prev[3] or '{}') ..
+      ',"attempt":' .. (prev[4] or '0') .. ',"token":' .. (prev[5] or '0') .. '}'
+    redis.call('HSET', KEYS[1], 'checkpoint', checkpoint)
+  else
+    checkpoint = prev[6] or ''
+  end
+elseif rerun then
+  -- Another publish of the task id runs from the start: nothing of the earlier run is handed on.
+  redis.call('HDEL', KEYS[1], 'checkpoint', 'details')
+end
+
 local token = redis.call('INCR', KEYS[2])
 local held = tonumber(redis.call('HGET', KEYS[1], 'ownerToken') or '0')
 if token <= held then
@@ -156,4 +179,4 @@ else
 end
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
-return {code, status, snapshot()}
+return {code, status, snapshot(), checkpoint}

@@ -7,6 +7,9 @@
 -- ARGV[3]  mode: "release" (give the lease up now: LAPSED, due for takeover at once) or
 --          "expire" (keep RUNNING but record the stall: the TTL runs out by itself, and the
 --          takeover is then counted as cause "stalled", not "gone")
+-- ARGV[4..7] the owner's last progress, as renew.lua takes it: stage, progressVersion,
+--          progress age ms, details (JSON, "" = unchanged); published before the stall is
+--          recorded, so the next owner's checkpoint is the owner's latest
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "not-running" | "missing"
 local now = now_ms()
@@ -16,6 +19,9 @@ if refusal then
 end
 if status ~= 'RUNNING' and status ~= 'STALLED' then
   return {'not-running'}
+end
+if ARGV[4] then
+  publish_progress(KEYS[1], nil, now, ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7])
 end
 if ARGV[3] == 'release' then
   redis.call('ZADD', KEYS[2], now, KEYS[1])

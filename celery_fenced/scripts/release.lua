@@ -15,6 +15,9 @@
 --                        (a fenced one takes a new, higher token)
 -- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED)
 -- ARGV[5]  ms the lease hash lives once DONE (the result expiry; 0 = no expiry)
+-- ARGV[6..9] the owner's last progress, as renew.lua takes it: stage, progressVersion,
+--          progress age ms, details (JSON, "" = unchanged); published unless HANDOFF, so a
+--          retry or a later run starts from the owner's latest checkpoint
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "finished" | "missing"
 local now = now_ms()
@@ -26,6 +29,9 @@ if status == 'DONE' or status == 'ABANDONED' then
   return {'finished'}
 end
 local target = ARGV[3]
+if target ~= 'HANDOFF' and ARGV[6] then
+  publish_progress(KEYS[1], nil, now, ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9])
+end
 if target == 'HANDOFF' then
   redis.call('ZREM', KEYS[2], KEYS[1])
   redis.call('DEL', KEYS[1])

@@ -2,15 +2,17 @@
 --
 -- KEYS[1]      expiry index <prefix>:leases
 -- KEYS[2..n]   lease hashes, one per lease renewed
--- ARGV is 7 values per lease, in the order of KEYS[2..n]:
+-- ARGV is 8 values per lease, in the order of KEYS[2..n]:
 --   ownerId, ownerToken, ttl ms, stage ("" = unchanged), progressVersion,
 --   progress age ms (how long ago, by the owner's monotonic clock, that version was made),
---   status to keep ("RUNNING", or "STALLED" while an alert-mode task is stalled)
+--   status to keep ("RUNNING", or "STALLED" while an alert-mode task is stalled),
+--   details (JSON of the latest progress() details, "" = unchanged)
 --
 -- A renewal is accepted when owner, token and status (RUNNING or STALLED) match, even if
 -- the expiry has just passed, as long as no claim took the lease: one Redis blip must not
 -- become mass takeovers. progressVersion never moves back; lastProgressAt is server TIME
--- minus the reported age, so the owner's wall clock never matters.
+-- minus the reported age, so the owner's wall clock never matters. Only an accepted renewal
+-- writes stage and details: a stale token never does.
 --
 -- A DONE lease answers "finished" to its last owner and after a cancel (which ends a lease
 -- with a fresh token), "stale-token" to an owner whose task was taken over and finished by
@@ -21,10 +23,10 @@
 local now = now_ms()
 local codes = {}
 for i = 2, #KEYS do
-  local base = (i - 2) * 7
+  local base = (i - 2) * 8
   local owner, token, ttl = ARGV[base + 1], ARGV[base + 2], tonumber(ARGV[base + 3])
   local stage, version, age = ARGV[base + 4], tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
-  local keep = ARGV[base + 7]
+  local keep, details = ARGV[base + 7], ARGV[base + 8]
   local lease = KEYS[i]
   local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion', 'cancelledAt')
   local status = cur[1]
@@ -50,12 +52,7 @@ for i = 2, #KEYS do
     elseif not redis.call('HGET', lease, 'stalledAt') then
       redis.call('HSET', lease, 'stalledAt', now)
     end
-    if version > tonumber(cur[4] or '0') then
-      redis.call('HSET', lease, 'progressVersion', version, 'lastProgressAt', now - age)
-      if stage ~= '' then
-        redis.call('HSET', lease, 'currentStage', stage)
-      end
-    end
+    publish_progress(lease, cur[4] or '0', now, stage, version, age, details)
   elseif status == 'REQUEUED' then
     code = 'claimed'
   elseif status == 'LAPSED' then

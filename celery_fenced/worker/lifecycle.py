@@ -196,6 +196,7 @@ def retry_due(task: Any, lease: OwnedLease, delay: float) -> None:
         lease.token,
         status=LeaseStatus.RETRYING,
         due_in_ms=due_ms,
+        progress=lease.report(time.monotonic())[0],
     )
     code = task.backend.retrying(release_once)
     if code != ReleaseOutcome.OK:
@@ -288,6 +289,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         last_progress=started,
         renewed=started,
         started=started,
+        checkpoint=result.checkpoint,
     )
     attempt.lease = lease
     set_current_lease(lease)
@@ -341,6 +343,7 @@ def release(task: Any, request: Any, state: str | None) -> None:
         status=target,
         due_in_ms=due_ms,
         keep_ms=backend._expires_ms(celery_states.SUCCESS),
+        progress=lease.report(time.monotonic())[0],
     )
     try:
         code = backend.retrying(release_once)

@@ -104,10 +104,19 @@ class WorkerListener:
 
     def renewed(self, leases: list[OwnedLease]) -> None:
         for lease in leases:
-            if lease.stage == lease.published_stage:
+            details = lease.published_details
+            if lease.stage == lease.announced_stage and details is lease.announced_details:
                 continue
-            lease.published_stage = lease.stage
-            events.send_about(self.app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers)
+            lease.announced_stage = lease.stage
+            lease.announced_details = details
+            events.send_about(
+                self.app,
+                "task-progress",
+                lease,
+                version=lease.version,
+                takeovers=lease.takeovers,
+                details=dict(details or {}),
+            )
             table = lease.policy.stage_timeouts
             if table and lease.stage is not None and lease.stage not in table:
                 _log_unknown_stage_once(lease.task_name, lease.stage, table, lease.policy.default_stage_timeout)

@@ -53,11 +53,14 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     assert "RUNNING" in row and "load-data" in row and "w1@" in row
     [as_json] = [json.loads(line) for line in cluster.cli("status", "--json").stdout.splitlines()]
     assert as_json["task_id"] == result.id and as_json["token"] == 1 and as_json["seconds_left"] > 0
+    wait_until(lambda: lease(cluster, result.id).get("details"), 10, "the first details to be published")
     inspected = json.loads(cluster.cli("inspect", "--json", result.id).stdout)
     assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == 1
+    assert inspected["details"]["note"] == "é" and inspected["details"]["polls"] >= 1
     assert inspected["call"]["task"] == "tests.integration.apps.fenced_app.progress_until_told"
     readable = cluster.cli("inspect", result.id).stdout
     assert re.search(r"^  ownerToken +1$", readable, re.M), readable
+    assert re.search(r'^  details +\{"note": "é", "polls": \d+\}$', readable, re.M), readable
     assert re.search(r"^  lastProgressAt +20\d\d-\d\d-\d\dT[0-9:.]+Z \(\d+\.\ds ago\)$", readable, re.M), readable
     assert "  call:\n    tests.integration.apps.fenced_app.progress_until_told(\n    )" in readable, readable
     assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
@@ -143,6 +146,34 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
     assert listing[task_id]["token"] == runs[1]["token"]
     page = httpx.get(f"{base}/tasks", timeout=5).text
     assert "Stage" in page and "Token" in page and "Takeovers" in page
+    assert "Traceback" not in flower.log()
+
+
+def test_flower_shows_the_published_progress_details(cluster: Cluster) -> None:
+    port = free_port()
+    cluster.app()
+    flower = cluster.command(
+        "flower",
+        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+        "Visit me at",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
+    base = f"http://127.0.0.1:{port}"
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.progress_until_told.delay()
+
+    def details() -> dict:  # type: ignore[type-arg]
+        response = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5)
+        return (response.json().get("details") or {}) if response.status_code == 200 else {}
+
+    shown = wait_until(lambda: details().get("polls", 0) >= 2, 20, "Flower to show the details of a later tick")
+    assert shown
+    assert details()["note"] == "é"
+    page = httpx.get(f"{base}/task/{result.id}", timeout=5).text
+    assert re.search(r"Details</dt>\s*<dd>\s*\{&quot;note&quot;: &quot;é&quot;, &quot;polls&quot;: \d+\}", page), page
+    cluster.wake(result.id)
+    assert result.get(timeout=15).startswith("told ")
     assert "Traceback" not in flower.log()
 
 

@@ -28,6 +28,7 @@ def test_defaults_match_the_contract() -> None:
     assert policy.interrupt_on_loss is True
     assert conf.reaper_interval == 5 and conf.takeover_grace == 0 and conf.requeue_timeout == 60
     assert conf.start_timeout == 60
+    assert policy.max_detail_bytes == 4096
     assert set(DEFAULTS) == {
         "fenced_key_prefix",
         "fenced_lease_ttl",
@@ -43,6 +44,7 @@ def test_defaults_match_the_contract() -> None:
         "fenced_takeover_grace",
         "fenced_requeue_timeout",
         "fenced_start_timeout",
+        "fenced_max_detail_bytes",
     }
 
 
@@ -97,6 +99,8 @@ def test_stage_table_lookup_and_default() -> None:
         ({"fenced_takeover_grace": -1}, "fenced_takeover_grace"),
         ({"fenced_requeue_timeout": 0}, "fenced_requeue_timeout"),
         ({"fenced_key_prefix": ""}, "fenced_key_prefix"),
+        ({"fenced_max_detail_bytes": 0}, "fenced_max_detail_bytes"),
+        ({"fenced_max_detail_bytes": "4k"}, "fenced_max_detail_bytes"),
     ],
 )
 def test_bad_values_raise_one_error_naming_the_setting(settings: dict[str, Any], named: str) -> None:

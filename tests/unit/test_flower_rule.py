@@ -66,3 +66,15 @@ def test_progress_after_a_stall_shows_the_task_running_again() -> None:
 def test_the_first_news_of_a_task_may_be_its_progress() -> None:
     task = state_of(event("task-progress", token=1, stage="load-data", attempt=1))
     assert task.state == states.STARTED and task.worker is not None
+
+
+def test_progress_details_show_as_json_and_a_stale_owners_never_replace_them() -> None:
+    task = state_of(
+        event("task-received", name="proj.report", args="()", kwargs="{}"),
+        event("task-progress", token=3, stage="process", attempt=1, details={"done": 6}),
+        event("task-progress", token=4, stage="process", attempt=2, details={"done": 8, "note": "é"}),
+        event("task-progress", token=3, stage="process", attempt=1, details={"done": 99}),  # the zombie
+    )
+    assert task.details == {"done": 8, "note": "é"}
+    assert str(task.details) == '{"done": 8, "note": "é"}'  # what the task page prints
+    assert task.as_dict()["details"] == {"done": 8, "note": "é"}  # what /api/task/info returns

@@ -6,7 +6,8 @@ state so that:
 
 * an event carrying a token older than the newest seen for its task is ignored (a zombie
   can never flip the task's state or worker back);
-* ``task-progress`` updates stage, token and attempt but keeps the task ``STARTED`` (so
+* ``task-progress`` updates stage, token, attempt and the published progress details (the
+  checkpoint a takeover resumes from) but keeps the task ``STARTED`` (so
   Flower's Terminate button stays), and brings a ``STALLED`` or ``TAKEOVER`` task back to
   ``STARTED`` once its current owner progresses;
 * ``task-stalled`` and ``task-takeover`` show as the states ``STALLED`` and ``TAKEOVER``.
@@ -17,21 +18,29 @@ state so that:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from celery import states
 from celery.events.state import State, Task
 
-__all__ = ["LEASE_FIELDS", "TASK_COLUMNS", "install"]
+__all__ = ["LEASE_FIELDS", "TASK_COLUMNS", "ShownDetails", "install"]
 
 #: Lease fields added to Flower's task view and API.
-LEASE_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason")
+LEASE_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason", "details")
 
 #: The task list columns ``celery fenced flower`` shows by default.
 TASK_COLUMNS = "name,uuid,state,stage,token,attempt,takeovers,received,runtime,worker"
 
 _RECOVERED_BY_PROGRESS = ("STALLED", "TAKEOVER", "LEASE-LOST")
 _installed = False
+
+
+class ShownDetails(dict[str, Any]):
+    """Progress details that Flower's task page prints as JSON (its API returns the object)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, sort_keys=True, ensure_ascii=False)
 
 
 def _token_of(value: Any) -> int | None:
@@ -66,6 +75,8 @@ def install() -> None:
                 for name in LEASE_FIELDS:
                     if event.get(name) not in (None, ""):  # an empty stage means "not yet known"
                         setattr(task, name, event[name])
+                if isinstance(event.get("details"), dict):
+                    task.details = ShownDetails(event["details"])
                 task.token = token
                 if task.state in _RECOVERED_BY_PROGRESS:
                     task.state = states.STARTED
@@ -76,8 +87,17 @@ def install() -> None:
 
     State.event = event
     try:
+        from flower.utils import template as flower_template
         from flower.views import tasks as flower_tasks
     except ImportError:
         return
     for name in LEASE_FIELDS[:4]:
         flower_tasks.TASK_COLUMNS.setdefault(name, name.capitalize())
+    # Flower's label maker upper-cases "eta" wherever it appears ("DETAils"); its templates
+    # take the module's functions at each render, so the field's label is set here.
+    humanize = flower_template.humanize
+
+    def label(obj: Any, type: str | None = None) -> Any:
+        return "Details" if obj == "details" and type is None else humanize(obj, type)
+
+    flower_template.humanize = label

@@ -302,10 +302,58 @@ def progress_until_told(self: Any) -> str:
     """Progresses until a key is set (so a test can look at it while it runs)."""
     note_run(self)
     deadline = time.monotonic() + 60
+    polls = 0
     while not record().exists(f"wake:{self.request.id}") and time.monotonic() < deadline:
-        self.progress("load-data")
+        polls += 1
+        self.progress("load-data", polls=polls, note="é")
         time.sleep(0.1)
     return f"told {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def batches(self: Any, total: int, stall_after: int = 0, pause: float = 0.0) -> str:
+    """Processes batches ``done + 1 .. total``, resuming from its checkpoint's ``done``.
+
+    Each batch's execution is recorded under ``batches:<task id>`` with the token that ran it.
+    The first attempt blocks without progress after batch ``stall_after`` until woken, then
+    tries to report progress again, as a zombie would.
+    """
+    checkpoint = self.checkpoint
+    done = int(checkpoint.details.get("done", 0)) if checkpoint is not None else 0
+    seen = (
+        None
+        if checkpoint is None
+        else [checkpoint.stage, dict(checkpoint.details), checkpoint.attempt, checkpoint.token]
+    )
+    note_run(self, resumed_from=done, checkpoint=seen)
+    for batch in range(done + 1, total + 1):
+        time.sleep(pause)
+        record().rpush(f"batches:{self.request.id}", json.dumps([batch, self.fencing_token]))
+        self.progress("process", done=batch)
+        if batch == stall_after and attempt_number(self) == 1:
+            wait_for_key(f"wake:{self.request.id}", 60)
+            try:
+                self.progress("process", done=99)
+            except LeaseLostError as exc:
+                record().rpush(f"lost:{self.request.id}", exc.reason)
+            return "zombie"
+    return f"{total} batches by {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def retried_from_checkpoint(self: Any) -> str:
+    """Reports a page, then retries once; the retry records the checkpoint it was given."""
+    checkpoint = self.checkpoint
+    seen = (
+        None
+        if checkpoint is None
+        else [checkpoint.stage, dict(checkpoint.details), checkpoint.attempt, checkpoint.token]
+    )
+    note_run(self, retries=self.request.retries, checkpoint=seen)
+    if self.request.retries == 0:
+        self.progress("fetch", page=3)
+        raise self.retry(countdown=0)
+    return "retried"
 
 
 @app.task(bind=True, base=ProgressLeasedTask)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import redis
 
-from celery_fenced.state import RenewRequest
+from celery_fenced.state import ProgressReport, RenewRequest
 from celery_fenced.store import LeaseStore
 
 __all__ = ["TTL", "abandoned_meta", "acquire", "claim", "renew_req", "server_ms", "wait_for"]
@@ -34,18 +34,20 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def renew_req(state, owner: str = "host/1/a", **kw):  # type: ignore[no-untyped-def]
-    values = dict(
-        task_id=state.task_id,
-        owner_id=owner,
-        token=state.owner_token,
-        ttl_ms=TTL,
-        stage="",
-        progress_version=0,
-        progress_age_ms=0,
-    )
+def renew_req(  # type: ignore[no-untyped-def]
+    state,
+    owner: str = "host/1/a",
+    *,
+    stage: str = "",
+    progress_version: int = 0,
+    progress_age_ms: int = 0,
+    details: str = "",
+    **kw,
+):
+    values = dict(task_id=state.task_id, owner_id=owner, token=state.owner_token, ttl_ms=TTL)
     values.update(kw)
-    return RenewRequest(**values)
+    progress = ProgressReport(stage, progress_version, progress_age_ms, details)
+    return RenewRequest(progress=progress, **values)
 
 
 def abandoned_meta(task_id: str, token: int) -> bytes:

@@ -298,17 +298,15 @@ class Checkpoint:
     takeover, and to a retry (the same task id); ``None`` when no earlier owner published
     progress (always on a first attempt). It is published at the heartbeat's pace, so it may
     be up to one heartbeat interval older than the owner's last ``progress()`` call.
-
-    Attributes:
-        stage: the stage of that owner's last published progress (``None`` when it had none).
-        details: its last published ``progress()`` details.
-        attempt: the attempt number of the owner that published it.
-        token: the fencing token of the owner that published it.
     """
 
+    #: The stage of that owner's last published progress (``None`` when it had none).
     stage: str | None
+    #: Its last published ``progress()`` details.
     details: Mapping[str, Any]
+    #: The attempt number of the owner that published it.
     attempt: int
+    #: The fencing token of the owner that published it.
     token: int
 
     @classmethod

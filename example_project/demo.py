@@ -150,7 +150,7 @@ class Demo:
         with Live(self.table(store, reports), console=console, refresh_per_second=4) as live:
             while time.monotonic() - started < 120:
                 live.update(self.table(store, reports))
-                if not killed and self.kill_a_busy_worker(store, reports[0].pk):
+                if not killed and self.kill_a_busy_worker(store):
                     killed = True
                 if Report.objects.filter(status="done").count() == len(reports):
                     break
@@ -158,18 +158,15 @@ class Demo:
             live.update(self.table(store, reports))
         return self.summary(console, store, reports, killed)
 
-    def kill_a_busy_worker(self, store: Any, hanging_report: int) -> bool:
-        """SIGKILL worker2 in the middle of another report, once the hanging one was taken over."""
-        hanging = store.read(self.task_ids[hanging_report])
-        if hanging is None or hanging.attempt < 2:
-            return False
+    def kill_a_busy_worker(self, store: Any) -> bool:
+        """SIGKILL worker2 in the middle of a report's batches, once it published four of them."""
         for state in store.read_many(store.indexed_task_ids(100)):
-            if state.task_id == hanging.task_id:
-                continue
-            if state.is_live and state.owner_id.startswith("worker2@") and state.current_stage == "call-ai":
-                os.killpg(self.procs["worker2"].pid, signal.SIGKILL)
-                print(f"SIGKILL worker2 while it ran task {state.task_id} (stage {state.current_stage})")
-                return True
+            if state.is_live and state.owner_id.startswith("worker2@") and state.current_stage == "process":
+                done = state.details.get("done", 0)
+                if done >= 4:
+                    os.killpg(self.procs["worker2"].pid, signal.SIGKILL)
+                    print(f"SIGKILL worker2 while it ran task {state.task_id} (stage process, {done} batches done)")
+                    return True
         return False
 
     def table(self, store: Any, reports: list[Any]) -> Any:
@@ -177,7 +174,7 @@ class Demo:
 
         now = store.server_time_ms()
         table = Table(title="leases (celery fenced status)", expand=False)
-        for column in ("task", "status", "owner", "token", "stage", "since progress", "left", "attempt"):
+        for column in ("task", "status", "owner", "token", "stage", "details", "since progress", "left", "attempt"):
             table.add_column(column)
         for state in store.read_many(store.indexed_task_ids(50)):
             since = (now - (state.last_progress_at or now)) / 1000
@@ -188,6 +185,7 @@ class Demo:
                 state.owner_id.split("/")[0],
                 str(state.owner_token),
                 state.current_stage or "-",
+                " ".join(f"{key}={value}" for key, value in state.details.items()) or "-",
                 f"{since:.1f}s",
                 f"{left:.1f}s",
                 str(state.attempt),
@@ -201,6 +199,7 @@ class Demo:
     def summary(self, console: Any, store: Any, reports: list[Any], killed: bool) -> int:
         from celery_fenced.metrics import read_totals
         from example_project.reports.models import Report
+        from example_project.reports.tasks import BATCH, BATCHES_RUN, BATCHES_SKIPPED, ROWS
 
         totals: dict[str, float] = {}
         stages: dict[str, dict[str, float]] = {}
@@ -230,6 +229,13 @@ class Demo:
         console.print(f"  stale writes refused:    {int(totals.get('owner_fencing_rejected_total', 0))}")
         console.print(f"  renewals refused:        {int(totals.get('owner_lease_renew_rejected_total', 0))}")
         console.print(f"  worker killed:           {'yes' if killed else 'no'}")
+        client = self.app.backend.client
+        run, skipped = int(client.get(BATCHES_RUN) or 0), int(client.get(BATCHES_SKIPPED) or 0)
+        needed = len(rows) * (ROWS // BATCH)
+        console.print(
+            f"  batches processed:       {run} for {needed} needed; checkpoints spared {skipped} "
+            f"that a fresh start would have processed again"
+        )
         console.print("  stage durations (mean):")
         for stage, parts in sorted(stages.items()):
             count = parts.get("count", 0)

@@ -40,6 +40,7 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_FENCED_STAGE_TIMEOUTS = {
     "validate-request": 1,
     "load-data": 5,
+    "process": 5,
     "build-prompt": 2,
     "call-ai": 90,
     "parse-result": 5,
@@ -50,6 +51,9 @@ CELERY_FENCED_HEARTBEAT_INTERVAL = float(os.environ.get("EXAMPLE_HEARTBEAT_INTER
 CELERY_FENCED_REAPER_INTERVAL = float(os.environ.get("EXAMPLE_REAPER_INTERVAL", "5"))
 CELERY_FENCED_INTERRUPT_ON_LOSS = True
 CELERY_FENCED_MAX_TAKEOVERS = 5
+
+#: Seconds one batch of the ``process`` stage takes.
+BATCH_SECONDS = float(os.environ.get("EXAMPLE_BATCH_SECONDS", "0.3"))
 
 #: Deadlines of the streamed AI call: first token, between chunks, whole call (seconds).
 AI_STREAM_TIMEOUTS = tuple(float(x) for x in os.environ.get("EXAMPLE_AI_TIMEOUTS", "10,5,120").split(","))

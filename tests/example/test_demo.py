@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,4 +24,11 @@ def test_the_demo_runs_green_with_an_embedded_redis(tmp_path: Path) -> None:
     assert "OK: every report stored exactly once" in output
     assert "stalls detected:         1" in output  # the stream that stopped mid-way
     assert "SIGKILL worker2" in output
+    # The killed report resumes after its published batches (4 or more), the report whose stream
+    # stopped after all 10 of its batches: no takeover starts its batches again.
+    found = re.search(r"batches processed: +(\d+) for (\d+) needed; checkpoints spared (\d+)", output)
+    assert found, output
+    processed, needed, spared = map(int, found.groups())
+    assert spared >= 14, output
+    assert needed <= processed <= needed + 4, output  # at most a heartbeat of batches per killed task
     assert "celery-fenced-demo" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -1,7 +1,8 @@
 """Celery events for Flower: what the heartbeat and the reaper saw, per task.
 
-Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progress`` (a stage
-change, sent by the heartbeat after the renewal that published it), ``task-stalled``,
+Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progress`` (sent by
+the heartbeat after an attempt's first renewal and after a renewal that published a new stage
+or new details, and at once by the acquire of a takeover), ``task-stalled``,
 ``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``; and Celery's
 ``task-failed`` for an attempt stopped at ``fenced_max_task_duration``. They go
 through the app's event dispatcher with an explicit uuid (the heartbeat thread has no task

@@ -154,6 +154,8 @@ class OwnedLease:
         retrying: the lease was moved to RETRYING before ``retry()`` sent the retry message.
         details: the latest ``progress()`` details (replaced by each call that gives some).
         published_details: the details object the last accepted renewal wrote to Redis.
+        announced: a ``task-progress`` event told Flower about this attempt (its token).
+        announced_stage: the stage the last ``task-progress`` event carried.
         announced_details: the details object the last ``task-progress`` event carried.
         checkpoint: what an earlier owner of the task id published (``None`` on a first attempt).
     """
@@ -183,6 +185,7 @@ class OwnedLease:
     stall_checks_failed: int = 0
     stalled_reported: bool = False
     deadline: StageDeadline | None = None
+    announced: bool = False
     announced_stage: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     expiry_window: float = 0.0

@@ -306,8 +306,13 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         lease.attempt,
         f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
     )
-    # Flower learns the new token at once, even if the attempt ends before a heartbeat tick.
-    events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+    if result.previous_status:
+        # A takeover is news: Flower learns the new, higher token at once (and from then on
+        # ignores the old owner's events), even if the attempt ends before a heartbeat tick.
+        # A first attempt is announced by its first renewal: an event per task would cost
+        # every short task one more broker publish.
+        lease.announced = True
+        events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,

@@ -105,8 +105,9 @@ class WorkerListener:
     def renewed(self, leases: list[OwnedLease]) -> None:
         for lease in leases:
             details = lease.published_details
-            if lease.stage == lease.announced_stage and details is lease.announced_details:
+            if lease.announced and lease.stage == lease.announced_stage and details is lease.announced_details:
                 continue
+            lease.announced = True
             lease.announced_stage = lease.stage
             lease.announced_details = details
             events.send_about(

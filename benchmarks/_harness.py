@@ -50,10 +50,11 @@ class Harness:
         return proc
 
     def worker(
-        self, name: str, pool: str = "prefork", concurrency: int = 2, app: str | None = None
+        self, name: str, pool: str = "prefork", concurrency: int = 2, app: str | None = None, events: bool = False
     ) -> subprocess.Popen[bytes]:
+        """Start a worker; ``events`` turns task events on (``-E``), as Flower users run it."""
         argv = ["worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO"]
-        argv += ["--without-mingle", "--without-gossip"]
+        argv += ["--without-mingle", "--without-gossip", *(["-E"] if events else [])]
         return self.celery(*argv, ready=" ready.", name=name, app=app)
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:

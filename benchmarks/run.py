@@ -15,7 +15,16 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = [
     ("progress() cost", ["progress_cost.py"], ["progress_cost.py", "--calls", "50000", "--rounds", "3"]),
     ("heartbeat tick per lease", ["heartbeat_tick.py"], ["heartbeat_tick.py", "--leases", "1", "100", "--ticks", "5"]),
-    ("throughput and round trips", ["throughput.py"], ["throughput.py", "--tasks", "100", "--rounds", "1"]),
+    (
+        "throughput, Redis CPU and round trips",
+        ["throughput.py"],
+        ["throughput.py", "--configs", "users", "--tasks", "100", "--rounds", "1"],
+    ),
+    (
+        "one Redis under 4 worker processes",
+        ["throughput.py", "--scale"],
+        ["throughput.py", "--scale", "--tasks", "300"],
+    ),
     ("one task's path (instructions)", ["task_path.py"], ["task_path.py", "--tasks", "30"]),
     ("reaper sweep", ["reaper_sweep.py"], ["reaper_sweep.py", "--sizes", "10000", "--rounds", "1"]),
     ("takeover latency", ["takeover.py"], ["takeover.py", "--stalls", "6"]),

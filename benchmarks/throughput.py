@@ -1,24 +1,40 @@
-"""Throughput and Redis round trips per task: fenced against plain Celery, side by side.
+"""Throughput, Redis CPU and round trips per task: fenced against plain Celery, side by side.
 
-300+ tasks of 2 ms on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
-the fenced backend against a plain task with Celery's Redis backend, several rounds each,
-medians; the rounds alternate between the two. Shows where the CPU time of a task goes (the
-sending client, Redis, the worker's main process and its children). Also counts the Redis round trips per task
-(``MONITOR``) and the commands the server ran (``INFO commandstats``, script-internal ones
-included), and shows that the heartbeat renews 1, 10 or 100 leases of a process in one
-round trip.
+Short tasks (2 ms) on a prefork worker (c=2) with a Redis broker: ``ProgressLeasedTask`` with
+the fenced backend against a plain task with Celery's Redis backend (its own module), in
+paired rounds whose order flips each round; the ratio is the median of the pairs' ratios,
+with a bootstrap interval. Each configuration runs against plain Celery under the same
+settings:
 
-    python benchmarks/throughput.py [--tasks 300] [--rounds 5] [--task-ms 2]
+* ``users``: events on (``-E``, as Flower users run workers) and the client waiting for every
+  result with ``AsyncResult.get()``: the figure that counts;
+* ``events``: events on, the client polling the result keys (``MGET``: cheap for the client,
+  so the worker's own cost shows);
+* ``quiet``: events off, polling.
+
+Per task and side it prints the Redis server's CPU time (``INFO`` ``used_cpu_*`` over each
+round: what decides how many tasks one Redis carries for a whole cluster), the commands it ran
+and the broker publishes (events included, ``INFO commandstats``), and the CPU of the client,
+the worker's main process and its children. Then the Redis round trips per task (``MONITOR``),
+and that the heartbeat renews 1, 10 or 100 leases of a process in one round trip.
+
+``--scale`` measures instead one worker of 4 processes fed by one client pushing 10,000 tasks
+(events on, ``get()``): tasks per second and the share of one core the Redis server used.
+
+    python benchmarks/throughput.py [--configs users,events,quiet] [--tasks 1000] [--rounds 5]
+    python benchmarks/throughput.py --scale [--tasks 10000]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil
 
 from benchmarks._harness import Harness
+from celery_fenced.conf import DEFAULTS
 
 
 def commands(client) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -96,17 +113,38 @@ def median_interval(values: list[float], confidence: float = 0.90, resamples: in
     return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
+def redis_counters(client) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The server's CPU seconds, commands and publishes so far (``INFO``)."""
+    cpu = client.info("cpu")
+    stats = client.info("commandstats")
+    return {
+        "redis_cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        "commands": float(sum(v["calls"] for v in stats.values())),
+        "publishes": float(stats.get("cmdstat_publish", {}).get("calls", 0)),
+        **{name.removeprefix("cmdstat_"): float(v["calls"]) for name, v in stats.items()},
+    }
+
+
+@dataclass
+class Round:
+    """What one round of one side measured."""
+
+    elapsed: float
+    counters: dict[str, float]  # redis_cpu (s), commands, publishes: deltas over the round
+    cpu: dict[str, float]  # CPU seconds of client, worker, children
+
+
 def run_round(  # type: ignore[no-untyped-def]
-    harness: Harness, task, count: int, seconds: float = 0.002, cpu: CpuMeter | None = None
-) -> tuple[float, int, dict[str, float]]:
-    before = sum(commands(harness.client).values())
+    harness: Harness, task, count: int, seconds: float, wait: str, cpu: CpuMeter | None = None
+) -> Round:
+    before = redis_counters(harness.client)
     cpu_before = cpu.read() if cpu else {}
     start = time.perf_counter()
-    send_and_poll(task, count, seconds)
+    (send_and_wait if wait == "get" else send_and_poll)(task, count, seconds)
     elapsed = time.perf_counter() - start
     cpu_used = {name: value - cpu_before[name] for name, value in cpu.read().items()} if cpu else {}
-    after = sum(commands(harness.client).values())
-    return elapsed, after - before, cpu_used
+    after = redis_counters(harness.client)
+    return Round(elapsed, {name: after[name] - before.get(name, 0.0) for name in after}, cpu_used)
 
 
 def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -135,6 +173,9 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
     send_and_wait(task, count, 0.002)
     harness.client.echo(stop)
     thread.join(30)
+    from celery_fenced.scripts import SCRIPT_NAMES, script_source
+
+    script_of = {hashlib.sha1(script_source(name).encode()).hexdigest(): name for name in SCRIPT_NAMES}
     trips = 0
     in_transaction: set[tuple[str, int]] = set()
     by_command: dict[str, int] = {}
@@ -150,6 +191,9 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
         if name == "MULTI":
             in_transaction.add(client)
             name = "MULTI…EXEC"
+        elif name == "EVALSHA":
+            sha = entry["command"].split(" ", 2)[1]
+            name = f"EVALSHA {script_of.get(sha, sha[:8])}"
         trips += 1
         by_command[name] = by_command.get(name, 0) + 1
     return {"total": trips / count, **{name: n / count for name, n in sorted(by_command.items())}}
@@ -176,66 +220,136 @@ def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
     return rows
 
 
+#: The settings of ``benchmarks.bench_app`` set back to the package's defaults here.
+DEFAULT_LEASE_SETTINGS = ("fenced_lease_ttl", "fenced_heartbeat_interval", "fenced_reaper_interval")
+
+#: The configurations compared: (workers send task events, how the client waits for results).
+CONFIGURATIONS = {
+    "users": ("events on (-E), results awaited with get()", True, "get"),
+    "events": ("events on (-E), results polled", True, "poll"),
+    "quiet": ("events off, results polled", False, "poll"),
+}
+SIDES = {"plain": "benchmarks.bench_plain", "fenced": "benchmarks.bench_app:app"}
+
+
+def tasks_of() -> dict[str, object]:
+    from benchmarks import bench_app, bench_plain
+
+    return {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
+
+
+def compare(harness: Harness, name: str, args: argparse.Namespace) -> None:
+    """Paired rounds of one configuration, plain against fenced, and the figures per task."""
+    title, events, wait = CONFIGURATIONS[name]
+    tasks = tasks_of()
+    workers, meters = {}, {}
+    for label, app_path in SIDES.items():
+        workers[label] = harness.worker(f"{label}-{name}", concurrency=2, app=app_path, events=events)
+        meters[label] = CpuMeter(harness, workers[label].pid)
+        run_round(harness, tasks[label], 50, args.task_ms / 1000, wait)  # warm up
+    # Rounds alternate (the order flips each round), so a drift in the machine's load weighs
+    # on both sides alike; the idle worker waits on its own queue meanwhile.
+    measured: dict[str, list[Round]] = {"plain": [], "fenced": []}
+    for number in range(args.rounds):
+        order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
+        for label in order:
+            measured[label].append(
+                run_round(harness, tasks[label], args.tasks, args.task_ms / 1000, wait, meters[label])
+            )
+    for worker in workers.values():
+        harness.stop(worker)
+    ratios = [f.elapsed / p.elapsed for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
+    ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
+    print(f"{title}: {args.tasks} tasks of {args.task_ms:g} ms, prefork c=2, {args.rounds} round pairs")
+    for label in ("plain", "fenced"):
+        rate = args.tasks / statistics.median(r.elapsed for r in measured[label])
+        print(
+            f"  {label:<7} {rate:7.1f} tasks/s (median round); rounds: "
+            + ", ".join(f"{args.tasks / r.elapsed:.0f}" for r in measured[label])
+        )
+    print(f"  time ratio fenced/plain = {ratio:.3f}, 90% interval {low:.3f}-{high:.3f} (target <= 1.10)")
+    print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
+
+    def per_task(label: str, value) -> float:  # type: ignore[no-untyped-def]
+        return statistics.median(value(r) for r in measured[label]) / args.tasks
+
+    redis_cpu = {label: per_task(label, lambda r: r.counters["redis_cpu"]) * 1e6 for label in measured}
+    print(
+        f"  Redis server CPU per task: plain {redis_cpu['plain']:.0f} us, fenced {redis_cpu['fenced']:.0f} us: "
+        f"ratio {redis_cpu['fenced'] / redis_cpu['plain']:.3f} (target <= 1.25)"
+    )
+    counted = sorted({name for r in measured["fenced"] + measured["plain"] for name in r.counters} - {"redis_cpu"})
+    by_command = {
+        label: {name: per_task(label, lambda r, n=name: r.counters.get(n, 0.0)) for name in counted}
+        for label in measured
+    }
+    shown = [
+        f"{name} {by_command['plain'][name]:.2f}/{by_command['fenced'][name]:.2f}"
+        for name in counted
+        if name not in ("commands", "publishes") and max(by_command["plain"][name], by_command["fenced"][name]) >= 0.05
+    ]
+    print("  Redis commands per task by name, plain/fenced: " + ", ".join(shown))
+    for what in ("commands", "publishes"):
+        shown = ", ".join(f"{label} {per_task(label, lambda r, w=what: r.counters[w]):.2f}" for label in measured)
+        print(f"  Redis {what} per task (script-internal included): {shown}")
+    print("  CPU per task, ms: " + ", ".join(meters["plain"].processes))
+    for label in measured:
+        shown = ", ".join(f"{per_task(label, lambda r, n=n: r.cpu[n]) * 1000:.2f}" for n in meters[label].processes)
+        print(f"    {label:<7} {shown}")
+
+
+def scale(harness: Harness, args: argparse.Namespace) -> None:
+    """One worker of 4 processes, one client pushing ``--tasks`` tasks: the rate, and Redis's share."""
+    tasks = tasks_of()
+    print(f"scale: {args.tasks} tasks of {args.task_ms:g} ms, one worker of 4 processes (-E), one client, get()")
+    for label, app_path in SIDES.items():
+        worker = harness.worker(f"{label}-scale", concurrency=4, app=app_path, events=True)
+        run_round(harness, tasks[label], 100, args.task_ms / 1000, "get")  # warm up
+        done = run_round(harness, tasks[label], args.tasks, args.task_ms / 1000, "get")
+        harness.stop(worker)
+        per_task = done.counters["redis_cpu"] / args.tasks
+        print(
+            f"  {label:<7} {args.tasks / done.elapsed:7.1f} tasks/s; Redis CPU {per_task * 1e6:.0f} us per task, "
+            f"{done.counters['redis_cpu'] / done.elapsed:.0%} of one core: one Redis core carries about "
+            f"{1 / per_task:,.0f} tasks/s"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="fenced vs plain Celery throughput")
-    parser.add_argument("--tasks", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--configs", default="users,events,quiet", help="of: " + ", ".join(CONFIGURATIONS))
+    parser.add_argument("--tasks", type=int, default=None, help="tasks per round (1000; 10000 with --scale)")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--task-ms", type=float, default=2.0, help="how long each task's body sleeps")
+    parser.add_argument("--scale", action="store_true", help="4 worker processes, one client, 10,000 tasks")
+    parser.add_argument("--no-monitor", action="store_true", help="skip the MONITOR count of round trips")
     args = parser.parse_args()
-    with Harness("benchmarks.bench_app") as harness:
-        from benchmarks import bench_app, bench_plain
-
-        tasks = {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
-        meters: dict[str, CpuMeter] = {}
-        for label, app_path in (("plain", "benchmarks.bench_plain"), ("fenced", "benchmarks.bench_app:app")):
-            worker = harness.worker(label, concurrency=2, app=app_path)
-            meters[label] = CpuMeter(harness, worker.pid)
-            run_round(harness, tasks[label], 20)  # warm up
-        # Rounds alternate (the order flips each round), so a drift in the machine's load
-        # weighs on both sides alike; the idle worker waits on its own queue meanwhile.
-        measured: dict[str, list[tuple[float, int, dict[str, float]]]] = {"plain": [], "fenced": []}
-        for number in range(args.rounds):
-            order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
-            for label in order:
-                measured[label].append(run_round(harness, tasks[label], args.tasks, args.task_ms / 1000, meters[label]))
-        rows = {
-            label: (statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds))
-            for label, rounds in measured.items()
-        }
-        ratios = [f[0] / p[0] for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
-        ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
-        (fenced, fenced_cmds), (plain, plain_cmds) = rows["fenced"], rows["plain"]
-        print(f"{args.tasks} tasks of {args.task_ms:g} ms, prefork c=2, Redis broker, {args.rounds} rounds each")
-        print(f"  plain Celery      {args.tasks / plain:8.1f} tasks/s (median round)")
-        print(f"  celery-fenced     {args.tasks / fenced:8.1f} tasks/s (median round)")
+    if args.tasks is None:
+        args.tasks = 10_000 if args.scale else 1000
+    # The fenced side runs with the package's default lease settings, as users run it (the
+    # benchmark app's short ones are for the takeover benchmark).
+    lease_defaults = {name: DEFAULTS[name] for name in DEFAULT_LEASE_SETTINGS}
+    with Harness("benchmarks.bench_app", settings=lease_defaults) as harness:
+        if args.scale:
+            scale(harness, args)
+            return 0
+        for name in args.configs.split(","):
+            if name not in CONFIGURATIONS:
+                parser.error(f"unknown configuration {name!r}; known: {', '.join(CONFIGURATIONS)}")
+            compare(harness, name, args)
+        if args.no_monitor:
+            return 0
+        tasks = tasks_of()
+        trips = {}
+        for label, app_path in SIDES.items():
+            worker = harness.worker(f"{label}-monitor", concurrency=2, app=app_path, events=True)
+            trips[label] = round_trips_per_task(harness, tasks[label], min(args.tasks, 200))
+            harness.stop(worker)
         print(
-            f"  time ratio fenced/plain = {ratio:.3f}, 90% interval {low:.3f}-{high:.3f} "
-            "(median of the round pairs' ratios; target <= 1.10)"
-        )
-        print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
-        for label in ("plain", "fenced"):
-            print(f"  {label} rounds, tasks/s: {', '.join(f'{args.tasks / r[0]:.0f}' for r in measured[label])}")
-        print("  CPU time per task, ms (median of rounds): " + ", ".join(meters["plain"].processes))
-        totals = {}
-        for label in ("plain", "fenced"):
-            per_task = {
-                name: statistics.median(r[2][name] for r in measured[label]) / args.tasks * 1000
-                for name in meters[label].processes
-            }
-            totals[label] = sum(per_task.values())
-            shown = ", ".join(f"{value:.2f}" for value in per_task.values())
-            print(f"    {label:<7} {shown}  (total {totals[label]:.2f})")
-        print(f"  CPU ratio fenced/plain, all processes = {totals['fenced'] / totals['plain']:.3f}")
-        print(
-            f"  Redis commands per task: plain {plain_cmds / args.tasks:.1f}, "
-            f"fenced {fenced_cmds / args.tasks:.1f} (heartbeat renewals included)"
-        )
-        trips = {label: round_trips_per_task(harness, tasks[label], min(args.tasks, 200)) for label in tasks}
-        print(
-            f"  Redis round trips per task (MONITOR; a transaction or a script is one): "
+            "Redis round trips per task, events on, get() (MONITOR; a transaction or a script is one): "
             f"plain {trips['plain']['total']:.2f}, fenced {trips['fenced']['total']:.2f}"
         )
-        for label in tasks:
+        for label in SIDES:
             detail = ", ".join(f"{name} {n:.2f}" for name, n in trips[label].items() if name != "total" and n >= 0.01)
             print(f"    {label}: {detail}")
         for leases, calls in renew_round_trips(harness):

@@ -192,11 +192,18 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
             in_transaction.add(client)
             name = "MULTI…EXEC"
         elif name == "EVALSHA":
-            sha = entry["command"].split(" ", 2)[1]
-            name = f"EVALSHA {script_of.get(sha, sha[:8])}"
+            parts = entry["command"].split(" ", 3)
+            name = f"EVALSHA {script_of.get(parts[1], parts[1][:8])}"
+            if name == "EVALSHA reserve":  # KEYS: the index, then one lease per task reserved
+                by_command["tasks reserved"] = by_command.get("tasks reserved", 0) + int(parts[2]) - 1
         trips += 1
         by_command[name] = by_command.get(name, 0) + 1
-    return {"total": trips / count, **{name: n / count for name, n in sorted(by_command.items())}}
+    reserved = by_command.pop("tasks reserved", 0)
+    return {
+        "total": trips / count,
+        **{name: n / count for name, n in sorted(by_command.items())},
+        **({"(tasks reserved)": reserved / count} if reserved else {}),
+    }
 
 
 def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:

@@ -157,8 +157,18 @@ def test_plain_tasks_through_the_fenced_backend_work_as_with_redis(cluster: Clus
 def test_bad_progress_details_and_unknown_stages(cluster: Cluster) -> None:
     app = cluster.app()
     worker = cluster.worker("w1", concurrency=1)
-    message = app.bad_details.delay().get(timeout=15)
-    assert message.startswith("TypeError: progress detail 'payload' must be str, int, float, bool or None")
+    result = app.bad_details.delay()
+    published = wait_until(lambda: lease(cluster, result.id).get("details"), 10, "the good details to be published")
+    assert published == '{"done":1}', "a refused call changed the published details"
+    cluster.wake(result.id)
+    refused = result.get(timeout=15)
+    assert len(refused) == 3, refused
+    assert refused[0].startswith("TypeError: progress detail 'payload' must be str, int, float, bool or None")
+    assert refused[1] == "ValueError: progress detail 'ratio' must be a finite number to be JSON, got nan"
+    assert refused[2].startswith(
+        "ValueError: progress details are 5011 bytes of JSON, more than fenced_max_detail_bytes"
+    )
+    assert lease(cluster, result.id)["details"] == '{"done":1}'
     assert app.unknown_stage.delay().get(timeout=15) == "ok"
     wait_until(lambda: "laod-data" in worker.log(), 5, "the unknown stages to be logged")
     log = worker.log()

@@ -180,13 +180,21 @@ def chain_step(self: Any, name: str) -> str:
 
 
 @app.task(bind=True, base=ProgressLeasedTask)
-def bad_details(self: Any) -> str:
-    """Reports progress with a detail that is not a plain value."""
-    try:
-        self.progress("load-data", payload=object())
-    except TypeError as exc:
-        return f"TypeError: {exc}"
-    return "accepted"
+def bad_details(self: Any) -> list[str]:
+    """Reports good details, then details no checkpoint can hold (each refused at the call),
+    then progresses without details until told, so the test can read what was published."""
+    self.progress("load-data", done=1)
+    refused = []
+    for details in ({"payload": object()}, {"ratio": float("nan")}, {"text": "x" * 5000}):
+        try:
+            self.progress("load-data", **details)
+        except (TypeError, ValueError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    deadline = time.monotonic() + 30
+    while not record().exists(f"wake:{self.request.id}") and time.monotonic() < deadline:
+        self.progress("load-data")
+        time.sleep(0.1)
+    return refused
 
 
 @app.task(bind=True, base=ProgressLeasedTask)

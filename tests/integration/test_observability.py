@@ -14,7 +14,7 @@ import pytest
 
 from celery_fenced.harness import free_port
 from tests.integration.conftest import Cluster, lease
-from tests.support.processes import wait_until
+from tests.support.processes import CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,19 @@ def zombie_scenario(cluster: Cluster) -> tuple[str, list]:  # type: ignore[type-
     cluster.wake(result.id)
     wait_until(lambda: "stale write dropped" in w1.log(), 15, "the zombie's write to be refused")
     return result.id, runs
+
+
+def start_flower(cluster: Cluster) -> tuple[CeleryProcess, str]:
+    """``celery fenced flower`` on a free port, ready; the process and its base URL."""
+    port = free_port()
+    cluster.app()
+    flower = cluster.command(
+        "flower",
+        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+        "Visit me at",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
+    return flower, f"http://127.0.0.1:{port}"
 
 
 def test_every_subcommand_answers_help(cluster: Cluster) -> None:
@@ -117,15 +130,7 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
 
 
 def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> None:
-    port = free_port()
-    cluster.app()
-    flower = cluster.command(
-        "flower",
-        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
-        "Visit me at",
-        FLOWER_UNAUTHENTICATED_API="true",
-    )
-    base = f"http://127.0.0.1:{port}"
+    flower, base = start_flower(cluster)
     task_id, runs = zombie_scenario(cluster)
 
     def info() -> dict:  # type: ignore[type-arg]
@@ -150,15 +155,7 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
 
 
 def test_flower_shows_the_published_progress_details(cluster: Cluster) -> None:
-    port = free_port()
-    cluster.app()
-    flower = cluster.command(
-        "flower",
-        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
-        "Visit me at",
-        FLOWER_UNAUTHENTICATED_API="true",
-    )
-    base = f"http://127.0.0.1:{port}"
+    flower, base = start_flower(cluster)
     app = cluster.app()
     cluster.worker("w1")
     result = app.progress_until_told.delay()
@@ -182,16 +179,9 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs Debian's chromium)")
-    port = free_port()
-    cluster.app()
-    cluster.command(
-        "flower",
-        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
-        "Visit me at",
-        FLOWER_UNAUTHENTICATED_API="true",
-    )
+    _, base = start_flower(cluster)
     task_id, runs = zombie_scenario(cluster)
-    page = f"http://127.0.0.1:{port}/task/{task_id}"
+    page = f"{base}/task/{task_id}"
     shows_token = re.compile(rf"Token</dt>\s*<dd>\s*{runs[1]['token']}\s*</dd>")
     wait_until(lambda: shows_token.search(httpx.get(page, timeout=5).text), 20, "the task page to show the new token")
     picture = tmp_path / "flower-task.png"
@@ -225,14 +215,8 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
 def test_flower_shows_a_task_past_its_max_duration_as_failed(cluster: Cluster) -> None:
     """The worker sends nothing for an attempt it stopped (its end is an Ignore): the FAILURE
     stored at fenced_max_task_duration must reach Flower as its own task-failed event."""
-    port = free_port()
+    _, base = start_flower(cluster)
     app = cluster.app()
-    cluster.command(
-        "flower",
-        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
-        "Visit me at",
-        FLOWER_UNAUTHENTICATED_API="true",
-    )
     cluster.worker("w1")
     result = app.endless.delay()
     with pytest.raises(Exception, match="fenced_max_task_duration"):
@@ -240,10 +224,10 @@ def test_flower_shows_a_task_past_its_max_duration_as_failed(cluster: Cluster) -
     wait_until(lambda: cluster.record.llen(f"lost:{result.id}"), 10, "the body to be told")
 
     def state() -> str:
-        response = httpx.get(f"http://127.0.0.1:{port}/api/task/info/{result.id}", timeout=5)
+        response = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5)
         return str(response.json().get("state")) if response.status_code == 200 else ""
 
     wait_until(lambda: state() == "FAILURE", 15, "Flower to show the task as FAILURE")
-    task = httpx.get(f"http://127.0.0.1:{port}/api/task/info/{result.id}", timeout=5).json()
+    task = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5).json()
     assert "fenced_max_task_duration" in str(task.get("exception"))
     assert task["token"] == int(lease(cluster, result.id)["ownerToken"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from kombu.utils import json
@@ -326,12 +327,46 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class AcquireResult:
-    """The answer of :meth:`LeaseStore.acquire`; ``checkpoint`` only for a takeover or a retry."""
+    """The answer of :meth:`LeaseStore.acquire`; ``checkpoint`` only for a takeover or a retry.
 
+    ``token``, ``attempt`` and ``takeovers`` are read from the script's answer at once (every
+    task needs them); the whole snapshot, :attr:`state`, only when asked for.
+    """
+
+    task_id: str
     outcome: AcquireOutcome
     previous_status: str
-    state: LeaseState
+    snapshot: Sequence[Any] = field(repr=False)  # the script's flat field list
     checkpoint: Checkpoint | None = None
+
+    @cached_property
+    def _fields(self) -> dict[str, Any]:
+        flat = self.snapshot
+        return {as_text(name): value for name, value in zip(flat[::2], flat[1::2], strict=True)}
+
+    def _int(self, name: str) -> int:
+        value = self._fields.get(name)
+        return int(value) if value not in (None, b"", "") else 0
+
+    @property
+    def token(self) -> int:
+        """The token of the lease's owner (this attempt's when it runs)."""
+        return self._int("ownerToken")
+
+    @property
+    def attempt(self) -> int:
+        """Executions that acquired the lease, this one included when it runs."""
+        return self._int("attempt")
+
+    @property
+    def takeovers(self) -> int:
+        """How many times the reaper took the task over."""
+        return self._int("takeovers")
+
+    @cached_property
+    def state(self) -> LeaseState:
+        """The lease as the script left it."""
+        return LeaseState.from_flat(self.task_id, self.snapshot)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ E = TypeVar("E", bound=StrEnum)
 def outcome(kind: type[E], script: str, code: Any) -> E:
     """The script's answer as a member of its outcome enum; an unknown code is an error."""
     try:
-        return kind(as_text(code))
-    except ValueError:
+        return kind._value2member_map_[as_text(code)]  # type: ignore[return-value]
+    except KeyError:
         raise LeaseScriptError(f"{script}.lua answered an unknown code {as_text(code)!r}") from None
 
 
@@ -147,7 +147,7 @@ class LeaseStore:
         )
         answer = outcome(AcquireOutcome, "acquire", code)
         checkpoint = Checkpoint.from_json(as_text(rest[0])) if rest else None
-        return AcquireResult(answer, as_text(previous), LeaseState.from_flat(task_id, flat), checkpoint)
+        return AcquireResult(task_id, answer, as_text(previous), flat, checkpoint)
 
     def _acquire(
         self,

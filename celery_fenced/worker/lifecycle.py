@@ -276,14 +276,13 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
             state.owner_token,
         )
         return None
-    state = result.state
     lease = OwnedLease(
         task_id=request.id,
         task_name=task.name,
         owner_id=owner_id,
-        token=state.owner_token,
-        attempt=state.attempt,
-        takeovers=state.takeovers,
+        token=result.token,
+        attempt=result.attempt,
+        takeovers=result.takeovers,
         policy=policy,
         call=acquire_once.keywords["call"],
         last_progress=started,

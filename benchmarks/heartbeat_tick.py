@@ -79,7 +79,7 @@ def tick_costs(store: LeaseStore, policy: Any, count: int, ticks: int) -> tuple[
         acquired = store.acquire(
             f"tick-{count}-{i}", owner, ttl_ms=policy.lease_ttl_ms, task_name="bench", max_takeovers=3
         )
-        leases.append(OwnedLease(f"tick-{count}-{i}", "bench", owner, acquired.state.owner_token, 1, 0, policy))
+        leases.append(OwnedLease(f"tick-{count}-{i}", "bench", owner, acquired.token, 1, 0, policy))
     beat = Heartbeat(store_factory=lambda: store, listener=QuietListener(), default_interval=60)
     for lease in leases:
         beat._leases[lease.owner_id] = lease  # served without the thread: ticked by hand

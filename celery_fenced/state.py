@@ -365,7 +365,8 @@ class AcquireResult:
 
     @cached_property
     def state(self) -> LeaseState:
-        """The lease as the script left it."""
+        """The lease as the script answered it: its snapshot when the delivery does not run
+        (who holds it), only the owner's token, attempt and takeovers on a first delivery."""
         return LeaseState.from_flat(self.task_id, self.snapshot)
 
 

@@ -19,7 +19,10 @@
 -- `checkpoint` field: the previous owner's stage and details when it published progress,
 -- else the checkpoint it was given itself. "" when no owner published any.
 --
--- Returns {code, previous status or "", the owner's lease fields as a flat list, checkpoint}:
+-- Returns {code, previous status or "", lease fields as a flat list, checkpoint}; the fields
+-- are ownerToken, attempt and takeovers on the first-delivery path (all a running owner
+-- needs: a longer answer costs the server more than the rest of that path's reply), and the
+-- lease's snapshot() otherwise (who holds it, for a delivery that does not run):
 --   "new"        no lease existed, or only the reservation of a task never started (RESERVED,
 --                or REQUEUED after it was sent again): token taken, attempt 1
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired, or a reservation
@@ -60,7 +63,6 @@ local function owner_fields(token)
     'heartbeatAt', now,
     'lastProgressAt', now,
     'leaseExpireAt', now + ttl,
-    'startedAt', now,
     'leaseTtl', ttl,
     'taskName', ARGV[3],
     'maxTakeovers', ARGV[5]}
@@ -92,8 +94,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   fields[#fields + 1] = 0
   redis.call('HSET', KEYS[1], unpack(fields))
   redis.call('ZADD', KEYS[3], now + ttl, KEYS[1])
-  return {'new', '', {'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token, 'attempt', 1,
-    'takeovers', 0, 'leaseExpireAt', now + ttl, 'currentStage', ARGV[6], 'taskName', ARGV[3]}}
+  return {'new', '', {'ownerToken', token, 'attempt', 1, 'takeovers', 0}}
 end
 
 local status = redis.call('HGET', KEYS[1], 'status')

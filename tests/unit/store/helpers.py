@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import redis
 
-from celery_fenced.state import ProgressReport, RenewRequest
+from celery_fenced.state import LeaseState, ProgressReport, RenewRequest
 from celery_fenced.store import LeaseStore
 
-__all__ = ["TTL", "abandoned_meta", "acquire", "claim", "renew_req", "server_ms", "wait_for"]
+__all__ = ["TTL", "abandoned_meta", "acquire", "claim", "held", "renew_req", "server_ms", "wait_for"]
 
 TTL = 3000
 
@@ -19,6 +19,14 @@ def acquire(store: LeaseStore, task_id: str = "t1", owner: str = "host/1/a", ttl
     return store.acquire(
         task_id, owner, ttl_ms=ttl, task_name="proj.task", max_takeovers=kw.pop("max_takeovers", 3), **kw
     )
+
+
+def held(store: LeaseStore, task_id: str = "t1", owner: str = "host/1/a", ttl: int = TTL, **kw) -> LeaseState:  # type: ignore[no-untyped-def]
+    """Acquire, then the lease as stored (the answer of a first delivery carries only the token)."""
+    acquire(store, task_id, owner, ttl, **kw)
+    state = store.read(task_id)
+    assert state is not None
+    return state
 
 
 def server_ms(client: redis.Redis) -> int:

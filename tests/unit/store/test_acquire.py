@@ -10,15 +10,16 @@ import redis
 
 from celery_fenced.state import AcquireOutcome
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import TTL, acquire, server_ms, wait_for
+from tests.unit.store.helpers import TTL, acquire, held, server_ms, wait_for
 
 
 def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, redis_client: redis.Redis) -> None:
     before = server_ms(redis_client)
     result = acquire(store, call={"args": [1], "kwargs": {}}, stage="start")
     assert result.outcome is AcquireOutcome.NEW
-    assert result.state.owner_token == 1 and result.state.attempt == 1
-    assert "call" not in result.state.raw  # the owner does not need the recorded call back
+    assert (result.token, result.attempt, result.takeovers) == (1, 1, 0)
+    # The answer carries only what a running owner needs: no recorded call, no status.
+    assert set(result.state.raw) == {"ownerToken", "attempt", "takeovers"}
     state = store.read("t1")
     assert state is not None
     assert state.status == "RUNNING"
@@ -59,7 +60,9 @@ def test_live_lease_makes_a_second_delivery_a_duplicate(store: LeaseStore) -> No
 
 def test_expired_lease_is_taken_over_with_a_higher_token(store: LeaseStore) -> None:
     first = acquire(store, ttl=50)
-    wait_for(lambda: store.server_time_ms() > (first.state.lease_expire_at or 0))
+    lease = store.read("t1")
+    assert lease is not None
+    wait_for(lambda: store.server_time_ms() > (lease.lease_expire_at or 0))
     second = acquire(store, owner="host/2/b")
     assert second.outcome is AcquireOutcome.TAKEOVER
     assert second.previous_status == "RUNNING"
@@ -107,9 +110,9 @@ def test_twenty_threads_racing_acquire_have_one_winner(store: LeaseStore) -> Non
 def test_tokens_are_globally_monotonic_across_task_ids_and_lost_leases(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    tokens = [acquire(store, task_id=f"m{i}").state.owner_token for i in range(5)]
+    tokens = [held(store, task_id=f"m{i}").owner_token for i in range(5)]
     redis_client.delete(store.keys.lease("m0"))  # a lost (evicted) lease hash
-    tokens.append(acquire(store, task_id="m0").state.owner_token)
+    tokens.append(held(store, task_id="m0").owner_token)
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     assert redis_client.ttl(store.keys.token) == -1
 
@@ -125,7 +128,7 @@ def test_an_acquire_asked_again_by_the_same_attempt_gets_the_same_answer(store: 
 def test_a_token_counter_moved_back_never_hands_out_a_held_token_again(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    state = acquire(store, ttl=30).state
+    state = held(store, ttl=30)
     redis_client.set(store.keys.token, 0)  # the counter lost its last writes; the lease did not
     wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
     taken = acquire(store, owner="host/2/b")
@@ -135,7 +138,7 @@ def test_a_token_counter_moved_back_never_hands_out_a_held_token_again(
 
 
 def test_an_equal_token_of_another_owner_is_not_current(store: LeaseStore) -> None:
-    state = acquire(store, owner="host/1/a").state
+    state = held(store, owner="host/1/a")
     other = store.store("t1", state.owner_token, b"x", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/9/z")
     assert other.code == "stale"
     mine = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
@@ -143,7 +146,7 @@ def test_an_equal_token_of_another_owner_is_not_current(store: LeaseStore) -> No
 
 
 def test_a_finished_task_id_applied_again_runs_again_but_a_copy_of_its_run_does_not(store: LeaseStore) -> None:
-    first = acquire(store, publish_id="p1").state
+    first = held(store, publish_id="p1")
     store.store("t1", first.owner_token, b"one", state="SUCCESS", kind="ready", expires_ms=0)
     assert acquire(store, owner="host/2/b", publish_id="p1").outcome is AcquireOutcome.DONE  # a copy
     assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.DONE  # no publish id: a copy

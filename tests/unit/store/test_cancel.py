@@ -6,11 +6,11 @@ import redis
 
 from celery_fenced.state import AcquireOutcome
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, renew_req
+from tests.unit.store.helpers import acquire, held, renew_req
 
 
 def test_cancel_fences_the_owner_and_stops_later_deliveries(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.cancel("t1", lambda token: f"revoked:{token}".encode(), expires_ms=0) == "cancelled"
     after = store.read("t1")
     assert after is not None and after.status == "DONE" and after.owner_token > state.owner_token

@@ -8,7 +8,7 @@ import redis
 from celery_fenced.owner import encode_details
 from celery_fenced.state import AcquireOutcome, Checkpoint, LeaseStatus, ProgressReport
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, renew_req
+from tests.unit.store.helpers import acquire, held, renew_req
 
 A, B, C = "host/1/a", "host/2/b", "host/3/c"
 
@@ -29,7 +29,7 @@ def test_a_first_attempt_has_no_checkpoint(store: LeaseStore) -> None:
 def test_a_takeover_gets_the_stage_and_details_the_previous_owner_published(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 3, done=6, name="rapport é", ratio=0.1)
     assert store.read("t1").details == {"done": 6, "name": "rapport é", "ratio": 0.1}  # type: ignore[union-attr]
     give_up(redis_client, store)
@@ -43,7 +43,7 @@ def test_a_takeover_gets_the_stage_and_details_the_previous_owner_published(
 def test_an_owner_that_published_nothing_passes_on_the_checkpoint_it_was_given(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, done=6)
     give_up(redis_client, store)
     second = acquire(store, owner=B)
@@ -53,10 +53,10 @@ def test_an_owner_that_published_nothing_passes_on_the_checkpoint_it_was_given(
 
 
 def test_the_next_owners_own_progress_becomes_the_next_checkpoint(store: LeaseStore, redis_client: redis.Redis) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, done=6)
     give_up(redis_client, store)
-    second = acquire(store, owner=B).state
+    second = held(store, owner=B)
     publish(store, second, B, 2, stage="save", done=10)
     give_up(redis_client, store)
     assert acquire(store, owner=C).checkpoint == Checkpoint("save", {"done": 10}, 2, second.owner_token)
@@ -65,17 +65,17 @@ def test_the_next_owners_own_progress_becomes_the_next_checkpoint(store: LeaseSt
 def test_progress_without_stage_or_details_gives_a_checkpoint_of_none_and_empty(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, stage="")
     give_up(redis_client, store)
     assert acquire(store, owner=B).checkpoint == Checkpoint(None, {}, 1, first.owner_token)
 
 
 def test_a_stale_token_never_writes_details(store: LeaseStore, redis_client: redis.Redis) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, done=6)
     give_up(redis_client, store)
-    second = acquire(store, owner=B).state
+    second = held(store, owner=B)
     publish(store, second, B, 1, done=7)
     zombie = renew_req(first, A, stage="process", progress_version=9, details=encode_details({"done": 1}))
     assert store.renew_many([zombie]) == ["stale-token"]
@@ -86,7 +86,7 @@ def test_a_stale_token_never_writes_details(store: LeaseStore, redis_client: red
 
 
 def test_a_stall_release_publishes_the_owners_last_details(store: LeaseStore) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, done=5)
     progress = ProgressReport("process", 2, 0, encode_details({"done": 6}))
     assert store.lapse("t1", A, first.owner_token, mode="release", progress=progress) == "ok"
@@ -97,7 +97,7 @@ def test_a_stall_release_publishes_the_owners_last_details(store: LeaseStore) ->
 def test_an_attempt_that_ends_without_a_result_publishes_its_last_details(
     store: LeaseStore, status: LeaseStatus
 ) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     progress = ProgressReport("fetch", 4, 0, encode_details({"page": 3}))
     assert store.release("t1", A, first.owner_token, status=status, progress=progress) == "ok"
     after = store.read("t1")
@@ -107,7 +107,7 @@ def test_an_attempt_that_ends_without_a_result_publishes_its_last_details(
 
 
 def test_the_same_attempt_asking_again_gets_the_same_checkpoint(store: LeaseStore, redis_client: redis.Redis) -> None:
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 1, done=6)
     give_up(redis_client, store)
     taken = acquire(store, owner=B)
@@ -116,7 +116,7 @@ def test_the_same_attempt_asking_again_gets_the_same_checkpoint(store: LeaseStor
 
 
 def test_the_task_id_applied_again_starts_without_the_earlier_runs_checkpoint(store: LeaseStore) -> None:
-    first = acquire(store, owner=A, publish_id="p1").state
+    first = held(store, owner=A, publish_id="p1")
     publish(store, first, A, 1, done=6)
     store.store("t1", first.owner_token, b"one", state="SUCCESS", kind="ready", expires_ms=0)
     again = acquire(store, owner=B, publish_id="p2")
@@ -127,7 +127,7 @@ def test_the_task_id_applied_again_starts_without_the_earlier_runs_checkpoint(st
 def test_a_progress_version_that_moves_back_still_writes_newer_details(store: LeaseStore) -> None:
     # The heartbeat reads the details before the version: details given by a progress() call
     # whose version the renewal missed are written all the same.
-    first = acquire(store, owner=A).state
+    first = held(store, owner=A)
     publish(store, first, A, 5, done=1)
     publish(store, first, A, 5, done=2)
     after = store.read("t1")

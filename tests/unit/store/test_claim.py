@@ -9,18 +9,18 @@ import redis
 
 from celery_fenced.state import AcquireOutcome
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import abandoned_meta, acquire, claim, renew_req, wait_for
+from tests.unit.store.helpers import abandoned_meta, acquire, claim, held, renew_req, wait_for
 
 
 def test_claim_leaves_live_leases_and_rescored_index(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store).state
+    state = held(store)
     [result] = claim(store, "t1")
     assert result.code == "not-due"
     assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) == state.lease_expire_at
 
 
 def test_claim_of_expired_lease_requeues_with_cause_gone(store: LeaseStore) -> None:
-    state = acquire(store, ttl=30).state
+    state = held(store, ttl=30)
     wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
     assert store.due_task_ids(10) == ["t1"]
     [result] = claim(store)
@@ -30,7 +30,7 @@ def test_claim_of_expired_lease_requeues_with_cause_gone(store: LeaseStore) -> N
 
 
 def test_claim_of_lapsed_lease_has_cause_stalled_and_grace_delays_it(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1", grace=60_000)[0].code == "not-due"
     [result] = claim(store, "t1")
@@ -38,14 +38,14 @@ def test_claim_of_lapsed_lease_has_cause_stalled_and_grace_delays_it(store: Leas
 
 
 def test_expire_mode_stall_is_counted_as_stalled(store: LeaseStore) -> None:
-    state = acquire(store, ttl=30).state
+    state = held(store, ttl=30)
     store.lapse("t1", "host/1/a", state.owner_token, mode="expire")
     wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0))
     assert claim(store, "t1")[0].cause == "stalled"
 
 
 def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1", requeue=30)[0].code == "requeued"
     wait_for(lambda: store.server_time_ms() > (store.read("t1").lease_expire_at or 0))  # type: ignore[union-attr]
@@ -55,7 +55,7 @@ def test_requeued_task_not_acquired_in_time_is_sent_again(store: LeaseStore) -> 
 
 
 def test_a_backlog_is_sent_again_a_bounded_number_of_times_and_never_abandoned(store: LeaseStore) -> None:
-    state = acquire(store, max_takeovers=2).state
+    state = held(store, max_takeovers=2)
     store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     codes = []
     for _ in range(5):  # nobody acquires: the messages wait in a long queue
@@ -68,10 +68,10 @@ def test_a_backlog_is_sent_again_a_bounded_number_of_times_and_never_abandoned(s
 
 
 def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store, max_takeovers=1).state
+    state = held(store, max_takeovers=1)
     store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1")[0].code == "requeued"
-    again = acquire(store, owner="host/2/b", max_takeovers=1).state
+    again = held(store, owner="host/2/b", max_takeovers=1)
     store.lapse("t1", "host/2/b", again.owner_token, mode="release")
     [result] = claim(store, "t1")
     assert result.code == "abandoned" and result.state is not None
@@ -86,7 +86,7 @@ def test_takeovers_past_the_maximum_abandon_with_a_fenced_failure(store: LeaseSt
 def test_claim_cleans_index_entries_of_finished_and_missing_leases(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    state = acquire(store).state
+    state = held(store)
     store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
     redis_client.zadd(store.keys.index, {store.keys.lease("t1"): 0, store.keys.lease("ghost"): 0})
     results = {r.task_id: r.code for r in claim(store)}
@@ -97,7 +97,7 @@ def test_claim_cleans_index_entries_of_finished_and_missing_leases(
 def test_concurrent_claims_requeue_each_task_once(store: LeaseStore) -> None:
     for round_no in range(5):
         task_id = f"c{round_no}"
-        state = acquire(store, task_id=task_id).state
+        state = held(store, task_id=task_id)
         store.lapse(task_id, "host/1/a", state.owner_token, mode="release")
         barrier = threading.Barrier(20)
 
@@ -114,7 +114,7 @@ def test_concurrent_claims_requeue_each_task_once(store: LeaseStore) -> None:
 
 def test_tokens_strictly_increase_through_claim_and_acquire_races(store: LeaseStore) -> None:
     seen = []
-    state = acquire(store).state
+    state = held(store)
     seen.append(state.owner_token)
     for round_no in range(5):
         store.lapse("t1", state.owner_id, state.owner_token, mode="release")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, claim, renew_req
+from tests.unit.store.helpers import claim, held, renew_req
 
 
 def test_lapse_release_gives_the_lease_up_now(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.lapse("t1", "host/1/a", state.owner_token, mode="release") == "ok"
     after = store.read("t1")
     assert after is not None and after.status == "LAPSED" and after.raw["lapseReason"] == "stalled"
@@ -18,14 +18,14 @@ def test_lapse_release_gives_the_lease_up_now(store: LeaseStore) -> None:
 
 
 def test_lapse_expire_keeps_running_but_records_the_stall(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.lapse("t1", "host/1/a", state.owner_token, mode="expire") == "ok"
     after = store.read("t1")
     assert after is not None and after.status == "RUNNING" and after.stalled_at is not None
 
 
 def test_lapse_refuses_stale_and_foreign(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.lapse("t1", "host/1/a", state.owner_token + 1, mode="release") == "stale-token"
     assert store.lapse("t1", "host/9/z", state.owner_token, mode="release") == "not-owner"
     assert store.lapse("nope", "host/1/a", 1, mode="release") == "missing"
@@ -34,7 +34,7 @@ def test_lapse_refuses_stale_and_foreign(store: LeaseStore) -> None:
 
 
 def test_lapse_now_keeps_a_live_owner_from_renewing_it_back(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.lapse_now("t1") == "lapsed"
     assert store.renew_many([renew_req(state)]) == ["lapsed"]  # the owner is alive, but too late
     assert store.due_task_ids(10) == ["t1"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import redis
 
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, claim
+from tests.unit.store.helpers import claim, held
 
 
 def test_redrive_puts_an_abandoned_task_back(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store, max_takeovers=0).state
+    state = held(store, max_takeovers=0)
     store.lapse("t1", "host/1/a", state.owner_token, mode="release")
     assert claim(store, "t1")[0].code == "abandoned"
     assert store.abandoned_task_ids() == ["t1"] and store.abandoned_count() == 1

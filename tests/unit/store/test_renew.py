@@ -8,11 +8,11 @@ import pytest
 import redis
 
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import TTL, acquire, renew_req, server_ms, wait_for
+from tests.unit.store.helpers import TTL, acquire, held, renew_req, server_ms, wait_for
 
 
 def test_renew_extends_and_publishes_progress_from_server_time(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store).state
+    state = held(store)
     codes = store.renew_many([renew_req(state, stage="load-data", progress_version=2, progress_age_ms=400)])
     assert codes == ["ok"]
     after = store.read("t1")
@@ -25,7 +25,7 @@ def test_renew_extends_and_publishes_progress_from_server_time(store: LeaseStore
 
 
 def test_progress_version_never_moves_back(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     store.renew_many([renew_req(state, stage="b", progress_version=5, progress_age_ms=0)])
     store.renew_many([renew_req(state, stage="a", progress_version=3, progress_age_ms=0)])
     after = store.read("t1")
@@ -34,15 +34,17 @@ def test_progress_version_never_moves_back(store: LeaseStore) -> None:
 
 def test_renew_with_stale_token_or_wrong_owner_is_refused(store: LeaseStore) -> None:
     first = acquire(store, ttl=50)
-    wait_for(lambda: store.server_time_ms() > (first.state.lease_expire_at or 0))
-    second = acquire(store, owner="host/2/b").state
+    lease = store.read("t1")
+    assert lease is not None
+    wait_for(lambda: store.server_time_ms() > (lease.lease_expire_at or 0))
+    second = held(store, owner="host/2/b")
     assert store.renew_many([renew_req(first.state)]) == ["stale-token"]
     assert store.renew_many([renew_req(second, owner="host/1/a")]) == ["not-owner"]
     assert store.renew_many([renew_req(second, owner="host/2/b")]) == ["ok"]
 
 
 def test_renew_just_past_expiry_is_accepted_when_nothing_claimed(store: LeaseStore) -> None:
-    state = acquire(store, ttl=30).state
+    state = held(store, ttl=30)
     wait_for(lambda: store.server_time_ms() > (state.lease_expire_at or 0) + 20)
     assert store.renew_many([renew_req(state)]) == ["ok"]
 
@@ -60,15 +62,15 @@ def test_renew_just_past_expiry_is_accepted_when_nothing_claimed(store: LeaseSto
 def test_renew_refused_once_the_lease_moved_on(
     store: LeaseStore, redis_client: redis.Redis, status: str, code: str
 ) -> None:
-    state = acquire(store).state
+    state = held(store)
     redis_client.hset(store.keys.lease("t1"), "status", status)
     assert store.renew_many([renew_req(state)]) == [code]
 
 
 def test_renew_of_an_owner_whose_task_was_taken_over_and_finished_says_taken_over(store: LeaseStore) -> None:
-    first = acquire(store, ttl=50).state
+    first = held(store, ttl=50)
     wait_for(lambda: store.server_time_ms() > (first.lease_expire_at or 0) + 20)
-    second = acquire(store, owner="host/2/b").state  # the takeover
+    second = held(store, owner="host/2/b")  # the takeover
     done = store.store("t1", second.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0)
     assert done.detail == "DONE"
     assert store.renew_many([renew_req(first)]) == ["stale-token"]  # not "finished": it was taken over
@@ -76,13 +78,13 @@ def test_renew_of_an_owner_whose_task_was_taken_over_and_finished_says_taken_ove
 
 
 def test_renew_of_a_missing_lease(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store).state
+    state = held(store)
     redis_client.delete(store.keys.lease("t1"))
     assert store.renew_many([renew_req(state)]) == ["missing"]
 
 
 def test_many_leases_renew_in_one_round_trip(store: LeaseStore, redis_client: redis.Redis) -> None:
-    states = [acquire(store, task_id=f"b{i}").state for i in range(100)]
+    states = [held(store, task_id=f"b{i}") for i in range(100)]
     redis_client.config_resetstat()
     codes = store.renew_many([renew_req(s) for s in states])
     assert codes == ["ok"] * 100
@@ -92,7 +94,7 @@ def test_many_leases_renew_in_one_round_trip(store: LeaseStore, redis_client: re
 
 
 def test_alert_stall_marks_stalled_and_keeps_the_lease(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     assert store.renew_many([renew_req(state, stalled=True)]) == ["ok"]
     after = store.read("t1")
     assert after is not None and after.status == "STALLED" and after.stalled_at is not None
@@ -111,7 +113,7 @@ def test_expiries_come_from_the_server_clock_not_the_clients(
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 600)  # a client 10 minutes ahead
     monkeypatch.setattr(time, "time_ns", lambda: int((real_time() + 600) * 1e9))
-    state = acquire(store).state
+    state = held(store)
     store.renew_many([renew_req(state, progress_version=1, progress_age_ms=100)])
     after = store.read("t1")
     now = server_ms(redis_client)

@@ -6,7 +6,7 @@ import redis
 
 from celery_fenced.state import Reservation
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, claim, server_ms
+from tests.unit.store.helpers import acquire, claim, held, server_ms
 
 CALL = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {}}
 
@@ -38,11 +38,11 @@ def test_its_start_is_a_first_start_on_any_worker(store: LeaseStore) -> None:
 
 
 def test_a_live_finished_retrying_or_lapsed_lease_is_left_alone(store: LeaseStore) -> None:
-    running = acquire(store, "running").state
+    running = held(store, "running")
     assert running is not None
-    done = acquire(store, "done").state
+    done = held(store, "done")
     store.store("done", done.owner_token, b"{}", state="SUCCESS", kind="ready", expires_ms=0)
-    lapsed = acquire(store, "lapsed").state
+    lapsed = held(store, "lapsed")
     store.lapse("lapsed", "host/1/a", lapsed.owner_token, mode="release")
     codes = store.reserve_many([reservation(task_id) for task_id in ("running", "done", "lapsed")], "w1@host")
     assert codes == ["left", "left", "left"]
@@ -68,7 +68,7 @@ def test_a_reservation_not_yet_expired_is_not_claimed(store: LeaseStore) -> None
 
 
 def test_a_reservation_after_a_takeover_starts_as_a_takeover(store: LeaseStore) -> None:
-    first = acquire(store).state
+    first = held(store)
     store.lapse("t1", "host/1/a", first.owner_token, mode="release")
     claim(store, "t1")  # REQUEUED, re-sent
     assert store.reserve_many([reservation()], "w2@host") == ["reserved"]

@@ -8,13 +8,13 @@ import redis
 
 from celery_fenced.state import AcquireOutcome, LeaseStatus
 from celery_fenced.store import LeaseStore
-from tests.unit.store.helpers import acquire, server_ms, wait_for
+from tests.unit.store.helpers import acquire, held, server_ms, wait_for
 
 
 def test_store_success_with_current_token_writes_publishes_and_ends_the_lease(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    state = acquire(store).state
+    state = held(store)
     pubsub = redis_client.pubsub()
     pubsub.subscribe(store.keys.result("t1"))
     wait_for(lambda: pubsub.get_message(timeout=0.1) is not None)  # the subscribe confirmation
@@ -41,8 +41,10 @@ def test_store_success_with_current_token_writes_publishes_and_ends_the_lease(
 
 def test_store_with_stale_token_writes_nothing(store: LeaseStore, redis_client: redis.Redis) -> None:
     first = acquire(store, ttl=50)
-    wait_for(lambda: store.server_time_ms() > (first.state.lease_expire_at or 0))
-    second = acquire(store, owner="host/2/b").state
+    lease = store.read("t1")
+    assert lease is not None
+    wait_for(lambda: store.server_time_ms() > (lease.lease_expire_at or 0))
+    second = held(store, owner="host/2/b")
     assert store.store("t1", second.owner_token, b"new", state="SUCCESS", kind="ready", expires_ms=0).stored
     stale = store.store("t1", first.state.owner_token, b"old", state="SUCCESS", kind="ready", expires_ms=0)
     assert stale.code == "stale" and stale.detail == str(second.owner_token)
@@ -50,14 +52,14 @@ def test_store_with_stale_token_writes_nothing(store: LeaseStore, redis_client: 
 
 
 def test_started_and_custom_states_keep_the_lease_running(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     for name in ("STARTED", "PROGRESSING"):
         assert store.store("t1", state.owner_token, name.encode(), state=name, kind="other", expires_ms=0).stored
         assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
 
 
 def test_retry_makes_the_lease_retrying_until_eta_plus_timeout(store: LeaseStore, redis_client: redis.Redis) -> None:
-    state = acquire(store).state
+    state = held(store)
     result = store.store("t1", state.owner_token, b"r", state="RETRY", kind="retry", expires_ms=0, retry_due_ms=10_000)
     assert result.stored and result.detail == "RETRYING"
     after = store.read("t1")
@@ -67,7 +69,7 @@ def test_retry_makes_the_lease_retrying_until_eta_plus_timeout(store: LeaseStore
 
 
 def test_write_after_done_is_refused(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
     again = store.store("t1", state.owner_token, b"fail", state="FAILURE", kind="ready", expires_ms=0)
     assert again.code == "finished"
@@ -150,7 +152,7 @@ def test_tokenless_revoke_of_an_unstarted_copy_leaves_a_live_owner_alone(
 
 
 def test_tokenless_revoke_without_a_live_owner_is_terminal(store: LeaseStore) -> None:
-    state = acquire(store, owner="celery@w2/5/a").state
+    state = held(store, owner="celery@w2/5/a")
     store.release("t1", "celery@w2/5/a", state.owner_token, status=LeaseStatus.REQUEUED, due_in_ms=60_000)
     result = store.store("t1", None, b"revoked", state="REVOKED", kind="ready", expires_ms=0, writer="")
     assert result.stored
@@ -167,7 +169,7 @@ def test_write_without_a_lease_behaves_like_celery(store: LeaseStore, redis_clie
 
 
 def test_a_result_write_asked_again_by_its_writer_gets_the_same_answer(store: LeaseStore) -> None:
-    state = acquire(store).state
+    state = held(store)
     first = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
     again = store.store("t1", state.owner_token, b"ok", state="SUCCESS", kind="ready", expires_ms=0)
     assert first.code == again.code == "stored" and again.detail == "DONE"

@@ -161,3 +161,10 @@ def test_a_cancelled_task_id_is_not_run_again_by_another_publish(store: LeaseSto
     acquire(store, publish_id="p1")
     assert store.cancel("t1", lambda token: b"revoked", expires_ms=0) == "cancelled"
     assert acquire(store, owner="host/2/b", publish_id="p2").outcome is AcquireOutcome.DONE
+
+
+def test_scripts_are_loaded_again_after_the_server_forgot_them(store: LeaseStore, redis_client: redis.Redis) -> None:
+    assert acquire(store).outcome is AcquireOutcome.NEW
+    redis_client.script_flush()  # as after a Redis restart
+    assert acquire(store, task_id="t2").outcome is AcquireOutcome.NEW
+    assert redis_client.script_exists(store.scripts.acquire.sha) == [True]

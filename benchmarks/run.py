@@ -26,6 +26,11 @@ BENCHMARKS = [
         ["throughput.py", "--scale", "--tasks", "300"],
     ),
     ("one task's path (instructions)", ["task_path.py"], ["task_path.py", "--tasks", "30"]),
+    (
+        "the server's time for one task's writes",
+        ["script_cost.py"],
+        ["script_cost.py", "--tasks", "200", "--rounds", "1"],
+    ),
     ("reaper sweep", ["reaper_sweep.py"], ["reaper_sweep.py", "--sizes", "10000", "--rounds", "1"]),
     ("takeover latency", ["takeover.py"], ["takeover.py", "--stalls", "6"]),
 ]

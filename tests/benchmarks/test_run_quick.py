@@ -30,6 +30,7 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
         "renewing 100 leases of one process: 1 script call(s)",
         "ratio fenced/plain",
         "found and claimed 100",
+        "server CPU ratio fenced/plain for a task's writes",
         "takeover after the deadline",
     ):
         assert figure in output, f"{figure!r} missing from:\n{output[-5000:]}"

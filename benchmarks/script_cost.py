@@ -1,0 +1,155 @@
+"""The Redis server's time for one task's writes: the two lease scripts against Celery's own.
+
+A task's process makes two round trips on either side: the fenced task runs ``acquire.lua``
+(before the body) and ``store.lua`` (the result, the end of the lease and Celery's PUBLISH),
+where Celery's Redis backend runs a GET and then a SET/PUBLISH transaction. This runs each
+side's commands ``--tasks`` times against an idle private Redis, as the worker sends them, and
+prints the server's own time per command (``INFO commandstats``, microseconds per call) and
+its CPU per task (``INFO cpu``). An idle server gives repeatable figures; under load each
+figure grows about as much on both sides.
+
+    python benchmarks/script_cost.py [--tasks 3000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._harness import Harness
+from celery_fenced.keys import KeySpace
+from celery_fenced.store import LeaseStore
+
+#: A recorded call as the acquire of the throughput benchmark's task sends it.
+CALL = {
+    "task": "benchmarks.bench_app.fenced_short",
+    "args": [0.002],
+    "kwargs": {},
+    "options": {
+        "queue": "celery",
+        "ignore_result": False,
+        "reply_to": str(uuid.UUID(int=1)),
+        "correlation_id": str(uuid.UUID(int=2)),
+    },
+}
+
+#: A SUCCESS meta as Celery encodes it (the fenced side's carries ``fence_token`` too).
+META = {
+    "status": "SUCCESS",
+    "result": None,
+    "traceback": None,
+    "children": [],
+    "date_done": "2026-12-03T22:00:00.000000+00:00",
+    "task_id": str(uuid.UUID(int=3)),
+}
+
+
+def cpu_seconds(client: Any) -> float:
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def usec_per_call(client: Any) -> dict[str, float]:
+    return {name.removeprefix("cmdstat_"): v["usec_per_call"] for name, v in client.info("commandstats").items()}
+
+
+def fenced_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
+    """The fenced writes of ``tasks`` tasks: ``{acquire, store}`` µs per call, and CPU µs per task."""
+    store = LeaseStore(client, KeySpace("fenced", "celery-task-meta-"))
+    owner = "bench@host/1234/0a1b2c3d0"
+    ids = [str(uuid.uuid4()) for _ in range(tasks)]
+    meta = json.dumps({**META, "fence_token": 1})
+    figures: dict[str, float] = {}
+    cpu = 0.0
+    tokens: dict[str, int] = {}
+    for name in ("acquire", "store"):
+        client.config_resetstat()
+        before = cpu_seconds(client)
+        for task_id in ids:
+            if name == "acquire":
+                tokens[task_id] = store.acquire(
+                    task_id,
+                    owner,
+                    ttl_ms=15_000,
+                    task_name=CALL["task"],  # type: ignore[arg-type]
+                    max_takeovers=3,
+                    call=CALL,
+                    publish_id=uuid.uuid4().hex,
+                ).token
+            else:
+                store.store(
+                    task_id,
+                    tokens[task_id],
+                    meta,
+                    state="SUCCESS",
+                    kind="ready",
+                    expires_ms=86_400_000,
+                    owner_id=owner,
+                )
+        cpu += cpu_seconds(client) - before
+        figures[name] = usec_per_call(client)["evalsha"]
+    return figures, cpu / tasks * 1e6
+
+
+def plain_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
+    """Celery's writes of ``tasks`` results: GET, then SET and PUBLISH in one transaction."""
+    meta = json.dumps(META)
+    client.config_resetstat()
+    before = cpu_seconds(client)
+    for _ in range(tasks):
+        key = f"celery-task-meta-{uuid.uuid4()}"
+        client.get(key)
+        pipe = client.pipeline()
+        pipe.set(key, meta, ex=86_400)
+        pipe.publish(key, meta)
+        pipe.execute()
+    cpu = (cpu_seconds(client) - before) / tasks * 1e6
+    stats = usec_per_call(client)
+    return {"get": stats["get"], "transaction": stats["multi"] + stats["set"] + stats["publish"] + stats["exec"]}, cpu
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Redis server time per task: lease scripts vs Celery's writes")
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with Harness("benchmarks.bench_app") as harness:
+        client = harness.client
+        version = client.info("server")["redis_version"]
+        fenced: dict[str, list[float]] = {"acquire": [], "store": [], "cpu": []}
+        plain: dict[str, list[float]] = {"get": [], "transaction": [], "cpu": []}
+        for _ in range(args.rounds):
+            for side, run in ((fenced, fenced_round), (plain, plain_round)):
+                figures, cpu = run(client, args.tasks)
+                for name, value in figures.items():
+                    side[name].append(value)
+                side["cpu"].append(cpu)
+            client.flushdb()
+
+        def median(values: list[float]) -> float:
+            return statistics.median(values)
+
+        print(f"Redis {version}, idle, {args.tasks} tasks x {args.rounds} rounds (medians)")
+        print(
+            f"  fenced: acquire.lua {median(fenced['acquire']):.1f} us, store.lua {median(fenced['store']):.1f} us "
+            f"per call; server CPU {median(fenced['cpu']):.0f} us per task"
+        )
+        print(
+            f"  plain:  GET {median(plain['get']):.1f} us, SET+PUBLISH transaction {median(plain['transaction']):.1f} us;"
+            f" server CPU {median(plain['cpu']):.0f} us per task"
+        )
+        print(
+            f"  server CPU ratio fenced/plain for a task's writes = {median(fenced['cpu']) / median(plain['cpu']):.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

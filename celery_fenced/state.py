@@ -185,6 +185,12 @@ def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _flat_fields(flat: Sequence[Any]) -> dict[str, str]:
+    """A hash's fields from a flat ``[name, value, …]`` reply, decoded to ``str``."""
+    items = [as_text(v) for v in flat]
+    return dict(zip(items[::2], items[1::2], strict=True))
+
+
 def _int(fields: Mapping[str, str], name: str) -> int:
     value = fields.get(name)
     return int(value) if value not in (None, "") else 0
@@ -250,8 +256,7 @@ class LeaseState:
     @classmethod
     def from_flat(cls, task_id: str, flat: Sequence[Any]) -> LeaseState:
         """Build a snapshot from an ``HGETALL`` answer given as a flat list."""
-        items = [as_text(v) for v in flat]
-        return cls.from_fields(task_id, dict(zip(items[::2], items[1::2], strict=True)))
+        return cls.from_fields(task_id, _flat_fields(flat))
 
     @property
     def call(self) -> Mapping[str, Any] | None:
@@ -340,34 +345,29 @@ class AcquireResult:
     checkpoint: Checkpoint | None = None
 
     @cached_property
-    def _fields(self) -> dict[str, Any]:
-        flat = self.snapshot
-        return {as_text(name): value for name, value in zip(flat[::2], flat[1::2], strict=True)}
-
-    def _int(self, name: str) -> int:
-        value = self._fields.get(name)
-        return int(value) if value not in (None, b"", "") else 0
+    def _fields(self) -> dict[str, str]:
+        return _flat_fields(self.snapshot)
 
     @property
     def token(self) -> int:
         """The token of the lease's owner (this attempt's when it runs)."""
-        return self._int("ownerToken")
+        return _int(self._fields, "ownerToken")
 
     @property
     def attempt(self) -> int:
         """Executions that acquired the lease, this one included when it runs."""
-        return self._int("attempt")
+        return _int(self._fields, "attempt")
 
     @property
     def takeovers(self) -> int:
         """How many times the reaper took the task over."""
-        return self._int("takeovers")
+        return _int(self._fields, "takeovers")
 
     @cached_property
     def state(self) -> LeaseState:
         """The lease as the script answered it: its snapshot when the delivery does not run
         (who holds it), only the owner's token, attempt and takeovers on a first delivery."""
-        return LeaseState.from_flat(self.task_id, self.snapshot)
+        return LeaseState.from_fields(self.task_id, self._fields)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import Harness
+from benchmarks.throughput import redis_counters
 from celery_fenced.keys import KeySpace
 from celery_fenced.store import LeaseStore
 
@@ -52,8 +53,7 @@ META = {
 
 
 def cpu_seconds(client: Any) -> float:
-    cpu = client.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+    return redis_counters(client)["redis_cpu"]
 
 
 def usec_per_call(client: Any) -> dict[str, float]:
@@ -132,10 +132,7 @@ def main() -> int:
                     side[name].append(value)
                 side["cpu"].append(cpu)
             client.flushdb()
-
-        def median(values: list[float]) -> float:
-            return statistics.median(values)
-
+        median = statistics.median
         print(f"Redis {version}, idle, {args.tasks} tasks x {args.rounds} rounds (medians)")
         print(
             f"  fenced: acquire.lua {median(fenced['acquire']):.1f} us, store.lua {median(fenced['store']):.1f} us "

@@ -159,7 +159,9 @@ class FencedWorkerStep(bootsteps.StartStopStep):
             warn_if_redis_can_evict(app)
         self.reaper = ReaperThread(app)
         self.reaper.start()
-        self.reservations = ReservationWriter(app, parent.hostname, on_dropped=self.reaper.wake)
+        self.reservations = ReservationWriter(
+            app, parent.hostname, on_dropped=self.reaper.wake, hub=getattr(parent, "hub", None)
+        )
         self.reservations.start()
 
     def stop(self, parent: Any) -> None:

@@ -7,12 +7,13 @@ main process records a reservation for each fenced task it receives (``RESERVED`
 message's call, this worker, an expiry of eta + ``fenced_start_timeout``), and the reaper
 sends again any whose task did not start in time (cause ``unstarted``).
 
-* :meth:`ReservationWriter.received` runs on the consumer's event loop: it only queues the
-  request. A thread of the main process gathers what arrives within :data:`GATHER` seconds,
-  drops what a process already started meanwhile (its lease covers it from then on: most
-  tasks, where a process is free, cost no round trip at all), and writes the rest with one
-  script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`): at most one round trip
-  per batch, none on a task process's path.
+* :meth:`ReservationWriter.received` runs on the consumer's event loop: it only notes the
+  request. A timer of that loop (or, for a worker without one, a timer thread) looks, every
+  :data:`GATHER` seconds while requests arrive, for those no process started within
+  :data:`GATHER` seconds, and hands them to a thread of the main process, which writes them
+  with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
+  where a process is free, start first: they cost neither a round trip nor a wake-up of that
+  thread, and no task process waits on the write.
 * :meth:`ReservationWriter.started` forgets a request a process accepted.
 * :meth:`ReservationWriter.dropped`, at a reconnect, makes the reservations of the requests
   Celery dropped due now, and wakes the reaper: their re-send waits for neither the start
@@ -25,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 #: The most reservations written by one script call.
 MAX_BATCH = 500
 
-#: How long the thread gathers received messages before it writes their reservations, seconds.
+#: How long a received message may wait for a process before its reservation is written, seconds.
 GATHER = 0.02
 
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
@@ -66,16 +68,28 @@ class ReservationWriter:
         app: the worker's app (its result backend is the fenced one).
         hostname: the worker's node name, recorded as ``reservedBy``.
         on_dropped: called after dropped reservations were made due (to wake the reaper).
+        hub: the worker's event loop (kombu's ``Hub``), whose timer looks for the requests
+            that did not start in time; without one, a timer thread does.
     """
 
-    def __init__(self, app: Celery, hostname: str, on_dropped: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        hostname: str,
+        on_dropped: Callable[[], None] | None = None,
+        hub: Any = None,
+    ) -> None:
         self.app = app
         self.hostname = hostname
         self.on_dropped = on_dropped
         self.start_timeout = ensure_conf(app).start_timeout
-        self.written = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.written = 0  # reservations written
+        self.handed = 0  # batches handed to the writing thread (each wakes it once)
+        self._hub = hub
+        self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()  # batches to write
         self._held: dict[str, None] = {}  # reserved here and not started: insertion order
+        self._arrived: deque[tuple[float, Any]] = deque()  # (received at, request), oldest first
+        self._looking = False  # a look at the arrived requests is scheduled
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
@@ -84,17 +98,55 @@ class ReservationWriter:
     # -- the event loop's side: never waits ---------------------------------------------------
 
     def received(self, request: Any) -> None:
-        """A fenced task's message arrived (``task_received``): reserve it soon."""
+        """A fenced task's message arrived (``task_received``): reserve it unless it starts soon."""
         with self._held_lock:
             self._held[request.id] = None
             if len(self._held) > MAX_HELD:
                 del self._held[next(iter(self._held))]
-        self._queue.put(request)
+            self._arrived.append((time.monotonic(), request))
+            if self._looking:
+                return
+            self._looking = True
+        self._look_after(GATHER)
 
     def started(self, task_id: str) -> None:
         """A process accepted the task: its reservation is no longer this worker's to drop."""
         with self._held_lock:
             self._held.pop(task_id, None)
+
+    def look(self) -> None:
+        """Hand the requests that waited :data:`GATHER` seconds unstarted to the writing thread.
+
+        Runs on the timer; while requests are still to be looked at, it schedules itself again.
+        """
+        now = time.monotonic()
+        due = []
+        with self._held_lock:
+            arrived = self._arrived
+            while arrived and now - arrived[0][0] >= GATHER:
+                request = arrived.popleft()[1]
+                if request.id in self._held:
+                    due.append(request)
+            wait = GATHER - (now - arrived[0][0]) if arrived else None
+            self._looking = wait is not None
+        if due:
+            self.handed += 1
+            self._queue.put(due)
+        if wait is not None:
+            self._look_after(wait)
+
+    @property
+    def looking(self) -> bool:
+        """A look at received requests is scheduled (some may still start in time)."""
+        return self._looking
+
+    def _look_after(self, seconds: float) -> None:
+        if self._hub is not None:
+            self._hub.call_later(seconds, self.look)
+        else:
+            timer = threading.Timer(seconds, self.look)
+            timer.daemon = True
+            timer.start()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -107,7 +159,13 @@ class ReservationWriter:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Write what is queued, then stop the thread and join it."""
+        """Write what is held and not started yet, then stop the thread and join it."""
+        with self._held_lock:
+            unstarted = [request for _, request in self._arrived if request.id in self._held]
+            self._arrived.clear()
+        if unstarted:
+            self.handed += 1
+            self._queue.put(unstarted)
         self._queue.put(None)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -143,19 +201,17 @@ class ReservationWriter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            batch = [self._queue.get()]
-            if batch[0] is not None:
-                time.sleep(GATHER)  # let the batch fill, and the tasks a free process takes start
-            while len(batch) < MAX_BATCH:
+            batches = [self._queue.get()]
+            while True:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    batches.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stopping = any(item is None for item in batch)
-            with self._held_lock:
-                waiting = [item for item in batch if item is not None and item.id in self._held]
-            if waiting:
-                self._write(waiting)
+            stopping = any(batch is None for batch in batches)
+            with self._held_lock:  # a process may have started some meanwhile
+                waiting = [request for batch in batches if batch for request in batch if request.id in self._held]
+            for start in range(0, len(waiting), MAX_BATCH):
+                self._write(waiting[start : start + MAX_BATCH])
 
     def _write(self, requests: list[Any]) -> None:
         # Built under the guard: a request's context is a cached_property, whose class-wide

@@ -1,0 +1,113 @@
+"""Reserve on receipt, in the worker's main process: only what no process started in time is written.
+
+A real app with the fenced backend on a real Redis, Celery's own worker requests, and the
+two timers the writer runs on: the worker's event loop (kombu's ``Hub``) and, for a worker
+without one, a timer thread.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.worker.request import Request
+from kombu import Message
+from kombu.asynchronous import Hub
+from kombu.utils.json import dumps
+
+from celery_fenced import ProgressLeasedTask
+from celery_fenced.worker.reservations import GATHER, ReservationWriter
+from tests.support.processes import wait_until
+from tests.support.redis_server import RedisServer
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    redis_server.client(12).flushdb()
+    app = Celery("reserving", set_as_current=False)
+    app.conf.update(broker_url="memory://", result_backend="fenced+" + redis_server.url(12))
+
+    @app.task(bind=True, base=ProgressLeasedTask, name="reserving.report", shared=False)
+    def report(self: Any, report_id: int) -> None:
+        """The task received."""
+
+    yield app
+    app.close()
+
+
+def received(app: Celery) -> Request:
+    """A worker request for a new message of the fenced task, as the consumer builds it."""
+    task = app.tasks["reserving.report"]
+    sent = app.amqp.as_task_v2(str(uuid.uuid4()), task.name, args=(7,), kwargs={})
+    message = Message(
+        body=dumps(sent.body),
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=sent.headers,
+        properties=sent.properties,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    return Request(message, app=app, task=task)
+
+
+def status(app: Celery, task_id: str) -> str | None:
+    state = app.backend.lease_store.read(task_id)
+    return state.status if state is not None else None
+
+
+@pytest.fixture(params=["event loop", "timer thread"])
+def writer(request: pytest.FixtureRequest, app: Celery) -> Iterator[tuple[ReservationWriter, Callable[[], None]]]:
+    """The writer, and what runs its timer: the hub's own ``fire_timers`` or nothing (a thread)."""
+    hub = Hub() if request.param == "event loop" else None
+    writer = ReservationWriter(app, "w1@host", hub=hub)
+    writer.start()
+    yield writer, (hub.fire_timers if hub is not None else lambda: None)
+    writer.stop()
+
+
+def test_a_task_a_process_starts_in_time_is_never_written(
+    app: Celery, writer: tuple[ReservationWriter, Callable[[], None]]
+) -> None:
+    reservations, run_timers = writer
+    started, waiting = received(app), received(app)
+    reservations.received(started)
+    reservations.received(waiting)
+    reservations.started(started.id)
+
+    def written() -> bool:
+        run_timers()
+        return status(app, waiting.id) == "RESERVED"
+
+    wait_until(written, 10, "the unstarted task's reservation")
+    assert reservations.written == 1
+    assert status(app, started.id) is None  # no lease at all: it cost no round trip
+    assert reservations.handed == 1  # the writing thread was woken once, for the unstarted task
+
+
+def test_tasks_that_all_start_in_time_never_wake_the_writing_thread(
+    app: Celery, writer: tuple[ReservationWriter, Callable[[], None]]
+) -> None:
+    reservations, run_timers = writer
+    requests = [received(app) for _ in range(20)]
+    for request in requests:
+        reservations.received(request)
+        reservations.started(request.id)
+    deadline = time.monotonic() + 3 * GATHER
+    while time.monotonic() < deadline:  # the timer's looks, for three windows
+        run_timers()
+    wait_until(lambda: not reservations.looking, 5, "the timer to stop looking")
+    assert (reservations.handed, reservations.written) == (0, 0)
+    assert all(status(app, r.id) is None for r in requests)
+
+
+def test_what_is_held_unstarted_is_written_when_the_worker_stops(app: Celery) -> None:
+    reservations = ReservationWriter(app, "w1@host", hub=Hub())  # its timer never runs here
+    reservations.start()
+    request = received(app)
+    reservations.received(request)
+    reservations.stop()
+    assert status(app, request.id) == "RESERVED"

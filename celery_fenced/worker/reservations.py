@@ -22,6 +22,7 @@ sends again any whose task did not start in time (cause ``unstarted``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -93,6 +94,7 @@ class ReservationWriter:
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
+        self._written_through: LeaseStore | None = None  # the writing thread's store, once used
         self._takeovers: dict[str, int] = {}
 
     # -- the event loop's side: never waits ---------------------------------------------------
@@ -212,6 +214,10 @@ class ReservationWriter:
                 waiting = [request for batch in batches if batch for request in batch if request.id in self._held]
             for start in range(0, len(waiting), MAX_BATCH):
                 self._write(waiting[start : start + MAX_BATCH])
+        if self._written_through is not None:
+            # The backend of this thread (Celery keeps one per thread) is not used again.
+            with contextlib.suppress(Exception):
+                self._written_through.client.connection_pool.disconnect()
 
     def _write(self, requests: list[Any]) -> None:
         # Built under the guard: a request's context is a cached_property, whose class-wide
@@ -222,7 +228,7 @@ class ReservationWriter:
         if not reservations:
             return
         try:
-            store = self._store()
+            store = self._written_through = self._store()
             self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname))
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"

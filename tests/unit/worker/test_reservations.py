@@ -36,6 +36,7 @@ def app(redis_server: RedisServer) -> Iterator[Celery]:
         """The task received."""
 
     yield app
+    app.backend.client.connection_pool.disconnect()
     app.close()
 
 

@@ -89,6 +89,20 @@ def _series(name: str, labels: Mapping[str, str]) -> str:
         return series
 
 
+_PROGRESS_UPDATES = _series("owner_progress_update_total", {})
+_TASK_DURATION = _series("owner_task_total_duration_seconds", {})
+_stage_series_names: dict[str, str] = {}
+
+
+def _stage_series(stage: str) -> str:
+    """The ``owner_stage_duration_seconds`` series of ``stage``."""
+    try:
+        return _stage_series_names[stage]
+    except KeyError:
+        series = _stage_series_names[stage] = _series("owner_stage_duration_seconds", {"stage": stage})
+        return series
+
+
 class MetricsBuffer:
     """The metric deltas of one process, waiting for the next flush."""
 
@@ -115,30 +129,42 @@ class MetricsBuffer:
         if name not in HISTOGRAMS:
             raise KeyError(f"unknown histogram {name!r}")
         base = _series(name, labels)
-        slot = bisect_left(BUCKETS, value)  # the first bucket whose bound is >= value
         with self._lock:
-            series = self._observed.get(base)
-            if series is None:
-                series = self._observed[base] = [0.0] * (len(BUCKETS) + 3)  # buckets, +Inf, sum, count
-            series[slot] += 1
-            series[-2] += value
-            series[-1] += 1
+            self._observe(base, value)
+
+    def _observe(self, base: str, value: float) -> None:
+        """One observation of the histogram series ``base`` (the lock held)."""
+        series = self._observed.get(base)
+        if series is None:
+            series = self._observed[base] = [0.0] * (len(BUCKETS) + 3)  # buckets, +Inf, sum, count
+        series[bisect_left(BUCKETS, value)] += 1  # the first bucket whose bound is >= value
+        series[-2] += value
+        series[-1] += 1
 
     def count_activity(
-        self, updates: int, stages: Sequence[tuple[str | None, float, float]], *, sample_gaps: bool
+        self,
+        updates: int,
+        stages: Sequence[tuple[str | None, float, float]],
+        *,
+        sample_gaps: bool,
+        duration: float | None = None,
     ) -> None:
-        """Count ``updates`` progress calls and the stages an attempt finished.
+        """Count ``updates`` progress calls and the stages an attempt finished, in one step.
 
         ``stages`` holds ``(stage, seconds in it, longest gap between progress calls)``; the
-        gaps are sampled for ``tune`` only when ``sample_gaps``.
+        gaps are sampled for ``tune`` only when ``sample_gaps``. ``duration`` is the run time
+        of an attempt that stored its SUCCESS (``owner_task_total_duration_seconds``).
         """
-        if updates:
-            self.inc("owner_progress_update_total", updates)
-        for stage, seconds, gap in stages:
-            if stage is not None:
-                self.observe("owner_stage_duration_seconds", seconds, stage=stage)
-                if sample_gaps:
-                    self.sample_gap(stage, gap)
+        with self._lock:
+            if updates:
+                self._deltas[_PROGRESS_UPDATES] += updates
+            for stage, seconds, gap in stages:
+                if stage is not None:
+                    self._observe(_stage_series(stage), seconds)
+                    if sample_gaps:
+                        self._gaps[stage][gap_bucket(gap)] += 1
+            if duration is not None:
+                self._observe(_TASK_DURATION, duration)
 
     def sample_gap(self, stage: str, seconds: float) -> None:
         """Record the longest gap between progress calls of one visit of ``stage``."""

@@ -273,13 +273,14 @@ class OwnedLease:
             self.stage_gap = 0.0
         return updates, finished
 
-    def count_activity(self, *, ended: bool = False) -> None:
+    def count_activity(self, *, ended: bool = False, duration: float | None = None) -> None:
         """Hand :meth:`take_activity` to this process's metrics (each heartbeat tick, and at the end).
 
         A lost owner's last gap is its stall, not a sample of how long the stage needs.
+        ``duration`` is the run time of an attempt that stored its SUCCESS.
         """
         updates, finished = self.take_activity(ended=ended)
-        metrics.buffer.count_activity(updates, finished, sample_gaps=self.lost_reason is None)
+        metrics.buffer.count_activity(updates, finished, sample_gaps=self.lost_reason is None, duration=duration)
 
     def mark_lost(self, reason: str) -> bool:
         """Mark the lease lost; True the first time (so callers report it once)."""

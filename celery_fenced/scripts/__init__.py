@@ -87,11 +87,9 @@ class ScriptSet:
     """The package's scripts on one Redis client, as attributes by name."""
 
     def __init__(self, client: Any) -> None:
-        self._scripts = {name: LeaseScript(client, script_source(name)) for name in SCRIPT_NAMES}
+        # Plain instance attributes: a lookup on every call finds them at once.
+        for name in SCRIPT_NAMES:
+            setattr(self, name, LeaseScript(client, script_source(name)))
 
     def __getattr__(self, name: str) -> LeaseScript:
-        try:
-            scripts: dict[str, LeaseScript] = self.__dict__["_scripts"]
-            return scripts[name]
-        except KeyError:
-            raise AttributeError(f"no lease script {name!r}") from None
+        raise AttributeError(f"no lease script {name!r}")

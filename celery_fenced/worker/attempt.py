@@ -103,9 +103,8 @@ class Attempt:
         if outcome.code == StoreOutcome.STORED:
             if outcome.detail in ("DONE", "RETRYING") and not lease.ended:
                 lease.ended = True
-                lease.count_activity(ended=True)
-                if state == states.SUCCESS:
-                    metrics.buffer.observe("owner_task_total_duration_seconds", time.monotonic() - lease.started)
+                duration = time.monotonic() - lease.started if state == states.SUCCESS else None
+                lease.count_activity(ended=True, duration=duration)
         elif outcome.code == StoreOutcome.STALE and not self.overtaken_by_its_retry(state, outcome):
             current = int(outcome.detail) if outcome.detail.isdigit() else None
             self._fenced(store, app, state, current)

@@ -38,6 +38,26 @@ def test_taken_deltas_given_back_after_a_failed_flush_are_kept() -> None:
     assert second["owner_takeover_total|cause=gone"] == 1
 
 
+def test_an_attempts_activity_counts_as_the_separate_calls_would() -> None:
+    """One call at the end of an attempt: its progress calls, the stages it finished (their
+    gaps sampled), and its run time."""
+    together, apart = MetricsBuffer(), MetricsBuffer()
+    stages = [("LOAD", 0.7, 0.3), (None, 0.01, 0.01), ("SAVE", 0.02, 0.02)]
+    together.count_activity(5, stages, sample_gaps=True, duration=0.75)
+    apart.inc("owner_progress_update_total", 5)
+    for stage, seconds, gap in stages:
+        if stage is not None:
+            apart.observe("owner_stage_duration_seconds", seconds, stage=stage)
+            apart.sample_gap(stage, gap)
+    apart.observe("owner_task_total_duration_seconds", 0.75)
+    assert together.take_gaps() == apart.take_gaps() != {}
+    taken = together.take()
+    assert taken == apart.take()
+    assert taken["owner_progress_update_total|"] == 5
+    assert taken["owner_task_total_duration_seconds||count"] == 1
+    assert taken["owner_stage_duration_seconds|stage=LOAD|count"] == 1
+
+
 def test_unknown_names_are_refused() -> None:
     buffer = MetricsBuffer()
     with pytest.raises(KeyError, match="unknown histogram"):

@@ -1,6 +1,9 @@
 -- _lib.lua: the functions several scripts share; the loader puts them in front of each script.
 --
 -- now_ms()                              the Redis server's clock, in milliseconds
+-- int_arg(n)                            an integral Lua number as a command argument: Redis
+--                                       writes a Lua number it is given with "%.17g", which
+--                                       costs it several times the rest of a short command
 -- write_result(key, meta, expires_ms)   Celery's own result write: SET (with PX when
 --                                       expires_ms > 0) and PUBLISH, which wakes
 --                                       AsyncResult.get()
@@ -15,16 +18,19 @@
 --                                       stored_version is nil), so a late call never moves
 --                                       them back; details ("" = unchanged) whenever given
 --                                       (the caller has checked the owner)
-redis.replicate_commands()
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local function int_arg(n)
+  return string.format('%d', n)
+end
+
 local function write_result(key, meta, expires_ms)
   if expires_ms > 0 then
-    redis.call('SET', key, meta, 'PX', expires_ms)
+    redis.call('SET', key, meta, 'PX', int_arg(expires_ms))
   else
     redis.call('SET', key, meta)
   end
@@ -50,7 +56,7 @@ local function publish_progress(key, stored_version, now, stage, version, age, d
       stored_version = redis.call('HGET', key, 'progressVersion')
     end
     if version > tonumber(stored_version or '0') then
-      fields = {'progressVersion', version, 'lastProgressAt', now - age}
+      fields = {'progressVersion', int_arg(version), 'lastProgressAt', int_arg(now - age)}
       if stage ~= '' then
         fields[#fields + 1] = 'currentStage'
         fields[#fields + 1] = stage

@@ -37,17 +37,17 @@ if target == 'HANDOFF' then
   redis.call('DEL', KEYS[1])
 elseif target == 'DONE' then
   redis.call('ZREM', KEYS[2], KEYS[1])
-  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now)
-  local keep = tonumber(ARGV[5])
-  if keep > 0 then
-    redis.call('PEXPIRE', KEYS[1], keep)
+  local now_arg = int_arg(now)
+  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now_arg, 'finishedAt', now_arg)
+  if tonumber(ARGV[5]) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[5])
   end
 else
-  local due = now + tonumber(ARGV[4])
+  local due = int_arg(now + tonumber(ARGV[4]))
   redis.call('ZADD', KEYS[2], due, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', target, 'leaseExpireAt', due)
   if target == 'REQUEUED' then
-    redis.call('HSET', KEYS[1], 'requeuedAt', now)
+    redis.call('HSET', KEYS[1], 'requeuedAt', int_arg(now))
   end
 end
 return {'ok'}

@@ -21,6 +21,7 @@
 -- Returns one code per lease: "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED or
 --   ABANDONED) | "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
 local now = now_ms()
+local now_arg = int_arg(now)
 local codes = {}
 for i = 2, #KEYS do
   local base = (i - 2) * 8
@@ -45,12 +46,13 @@ for i = 2, #KEYS do
     code = 'not-owner'
   elseif status == 'RUNNING' or status == 'STALLED' then
     code = 'ok'
-    redis.call('ZADD', KEYS[1], now + ttl, lease)
-    redis.call('HSET', lease, 'heartbeatAt', now, 'leaseExpireAt', now + ttl, 'status', keep)
+    local expire_arg = int_arg(now + ttl)
+    redis.call('ZADD', KEYS[1], expire_arg, lease)
+    redis.call('HSET', lease, 'heartbeatAt', now_arg, 'leaseExpireAt', expire_arg, 'status', keep)
     if keep == 'RUNNING' then
       redis.call('HDEL', lease, 'stalledAt')
     elseif not redis.call('HGET', lease, 'stalledAt') then
-      redis.call('HSET', lease, 'stalledAt', now)
+      redis.call('HSET', lease, 'stalledAt', now_arg)
     end
     publish_progress(lease, cur[4] or '0', now, stage, version, age, details)
   elseif status == 'REQUEUED' then

@@ -34,6 +34,7 @@
 --               or for a task id applied again after it (detail "kept"; a READY state still
 --               ends that run's lease)
 local now = now_ms()
+local now_arg = int_arg(now)
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
@@ -77,8 +78,8 @@ else
   local live = status == 'RUNNING' or status == 'STALLED'
   if ARGV[8] == '1' then
     if by_owner and live then
-      redis.call('ZADD', KEYS[3], now, KEYS[1])
-      redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,
+      redis.call('ZADD', KEYS[3], now_arg, KEYS[1])
+      redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now_arg, 'lapsedAt', now_arg,
         'lapseReason', 'worker-lost')
       return {'lapsed', status}
     end
@@ -98,10 +99,10 @@ if cur[5] then
   -- written; a READY state still ends the new run's lease.
   if kind == 'ready' then
     redis.call('ZREM', KEYS[3], KEYS[1])
-    redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now,
+    redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now_arg, 'finishedAt', now_arg,
       'resultState', 'SUCCESS')
     if expires > 0 then
-      redis.call('PEXPIRE', KEYS[1], expires)
+      redis.call('PEXPIRE', KEYS[1], ARGV[5])
     end
   end
   return {'sticky', 'kept'}
@@ -110,14 +111,14 @@ end
 write_result(KEYS[2], meta, expires)
 if kind == 'ready' then
   redis.call('ZREM', KEYS[3], KEYS[1])
-  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now, 'finishedAt', now,
+  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now_arg, 'finishedAt', now_arg,
     'resultState', state)
   if expires > 0 then
-    redis.call('PEXPIRE', KEYS[1], expires)
+    redis.call('PEXPIRE', KEYS[1], ARGV[5])
   end
   return {'stored', 'DONE'}
 elseif kind == 'retry' then
-  local due = now + tonumber(ARGV[6])
+  local due = int_arg(now + tonumber(ARGV[6]))
   redis.call('ZADD', KEYS[3], due, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
   return {'stored', 'RETRYING'}

@@ -13,9 +13,14 @@ from celery_fenced.store import LeaseStore
 from tests.unit.store.helpers import TTL, acquire, held, server_ms, wait_for
 
 
-def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, redis_client: redis.Redis) -> None:
+@pytest.mark.parametrize(("call", "publish_id"), [({"args": [1], "kwargs": {}}, "p1"), (None, "")])
+def test_first_acquire_takes_token_and_writes_every_field(
+    store: LeaseStore, redis_client: redis.Redis, call: dict[str, object] | None, publish_id: str
+) -> None:
+    """Both ways the script writes a first delivery: with a recorded call and a publish id (the
+    common case, written out) and without them."""
     before = server_ms(redis_client)
-    result = acquire(store, call={"args": [1], "kwargs": {}}, stage="start")
+    result = acquire(store, call=call, stage="start", publish_id=publish_id)
     assert result.outcome is AcquireOutcome.NEW
     assert (result.token, result.attempt, result.takeovers) == (1, 1, 0)
     # The answer carries only what a running owner needs: no recorded call, no status.
@@ -30,11 +35,12 @@ def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, red
     assert state.current_stage == "start"
     assert state.progress_version == 0
     assert state.task_name == "proj.task"
-    assert state.call == {"args": [1], "kwargs": {}}
+    assert state.call == call
     assert state.lease_expire_at is not None and before + TTL <= state.lease_expire_at <= before + TTL + 1000
     assert redis_client.ttl(store.keys.lease("t1")) == -1  # no TTL while live
     assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) == state.lease_expire_at
-    for field in (
+    assert state.raw["heartbeatAt"] == state.raw["lastProgressAt"]
+    assert set(state.raw) == {
         "status",
         "ownerId",
         "ownerToken",
@@ -43,11 +49,14 @@ def test_first_acquire_takes_token_and_writes_every_field(store: LeaseStore, red
         "heartbeatAt",
         "lastProgressAt",
         "leaseExpireAt",
+        "leaseTtl",
         "attempt",
         "takeovers",
         "taskName",
-    ):
-        assert field in state.raw
+        "maxTakeovers",
+        *(("call", "publishId") if publish_id else ()),
+    }
+    assert state.raw.get("publishId") == (publish_id or None)
 
 
 def test_live_lease_makes_a_second_delivery_a_duplicate(store: LeaseStore) -> None:

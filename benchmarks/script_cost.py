@@ -8,6 +8,11 @@ prints the server's own time per command (``INFO commandstats``, microseconds pe
 its CPU per task (``INFO cpu``). An idle server gives repeatable figures; under load each
 figure grows about as much on both sides.
 
+With valgrind on the PATH it also counts the server's CPU instructions per task on each
+side (callgrind's count of a redis-server run for it, once with ``--tasks`` tasks and once
+with a quarter of them, so start and shutdown drop out): a figure that is the same for the
+same scripts whatever else the machine does, so a cut of a few per cent shows.
+
     python benchmarks/script_cost.py [--tasks 3000] [--rounds 3]
 """
 
@@ -15,16 +20,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import redis
+
 from benchmarks._harness import Harness
 from benchmarks.throughput import redis_counters
+from celery_fenced.harness import default_binary, free_port, wait_until
 from celery_fenced.keys import KeySpace
 from celery_fenced.store import LeaseStore
 
@@ -115,6 +130,45 @@ def plain_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
     return {"get": stats["get"], "transaction": stats["multi"] + stats["set"] + stats["publish"] + stats["exec"]}, cpu
 
 
+def counted_instructions(writes: Callable[[Any], object]) -> int:
+    """The instructions a fresh redis-server under callgrind executes for ``writes(client)``."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="fenced-bench-cg-") as tmp:
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", default_binary()]
+        argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        client = redis.Redis(port=port)
+        try:
+            wait_until(lambda: _answers(client), 60, "redis-server under callgrind")
+            writes(client)
+        finally:
+            client.close()
+            server.send_signal(signal.SIGTERM)
+            _, err = server.communicate(timeout=120)
+    found = re.search(r"Collected : (\d+)", err)
+    if found is None:
+        raise RuntimeError(f"callgrind printed no count:\n{err[-2000:]}")
+    return int(found.group(1))
+
+
+def _answers(client: Any) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def instructions_per_task(tasks: int) -> dict[str, float]:
+    """Server instructions per task, fenced and plain: the count for ``tasks`` less the count
+    for a quarter of them, over the difference."""
+    few = max(1, tasks // 4)
+    per_task = {}
+    for side, run in (("fenced", fenced_round), ("plain", plain_round)):
+        counts = [counted_instructions(partial(run, tasks=n)) for n in (few, tasks)]
+        per_task[side] = (counts[1] - counts[0]) / (tasks - few)
+    return per_task
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Redis server time per task: lease scripts vs Celery's writes")
     parser.add_argument("--tasks", type=int, default=3000)
@@ -145,6 +199,14 @@ def main() -> int:
         print(
             f"  server CPU ratio fenced/plain for a task's writes = {median(fenced['cpu']) / median(plain['cpu']):.2f}"
         )
+    if shutil.which("valgrind") is None:
+        print("  (no valgrind on the PATH: server instructions not counted)")
+        return 0
+    counted = instructions_per_task(min(args.tasks, 1000))
+    print(
+        f"  server instructions per task (callgrind): fenced {counted['fenced']:,.0f}, plain {counted['plain']:,.0f}:"
+        f" ratio {counted['fenced'] / counted['plain']:.2f}"
+    )
     return 0
 
 

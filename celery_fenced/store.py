@@ -142,9 +142,10 @@ class LeaseStore:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
         call_json = _CALL_ENCODER.encode(call) if call else ""
-        code, previous, flat, *rest = self._acquire(
-            task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id
-        )
+        reply = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id)
+        if isinstance(reply, int):  # a first delivery: its token alone
+            return AcquireResult(task_id, AcquireOutcome.NEW, "", ("ownerToken", reply, "attempt", 1, "takeovers", 0))
+        code, previous, flat, *rest = reply
         answer = outcome(AcquireOutcome, "acquire", code)
         checkpoint = Checkpoint.from_json(as_text(rest[0])) if rest else None
         return AcquireResult(task_id, answer, as_text(previous), flat, checkpoint)
@@ -159,10 +160,10 @@ class LeaseStore:
         max_takeovers: int,
         stage: str,
         publish_id: str,
-    ) -> list[Any]:
+    ) -> Any:
         keys = [self.keys.lease(task_id), self.keys.token, self.keys.index]
         args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
-        return list(self.scripts.acquire(keys=keys, args=args))
+        return self.scripts.acquire(keys=keys, args=args)
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:
         """Renew many leases of one process in one round trip, publishing their progress; one

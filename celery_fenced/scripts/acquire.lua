@@ -19,12 +19,12 @@
 -- `checkpoint` field: the previous owner's stage and details when it published progress,
 -- else the checkpoint it was given itself. "" when no owner published any.
 --
--- Returns {code, previous status or "", lease fields as a flat list, checkpoint}; the fields
--- are ownerToken, attempt and takeovers on the first-delivery path (all a running owner
--- needs: a longer answer costs the server more than the rest of that path's reply), and the
--- lease's snapshot() otherwise (who holds it, for a delivery that does not run):
---   "new"        no lease existed, or only the reservation of a task never started (RESERVED,
---                or REQUEUED after it was sent again): token taken, attempt 1
+-- Returns the new token alone, an integer, for a first delivery (no lease: the common case,
+-- "new" with attempt 1 and no takeovers; a table would cost the server more than the rest
+-- of that path), and otherwise {code, previous status or "", the lease's snapshot() as a
+-- flat list (who holds it, for a delivery that does not run), checkpoint}, the code one of:
+--   "new"        only the reservation of a task never started (RESERVED, or REQUEUED after
+--                it was sent again): token taken, attempt 1 (as for no lease, above)
 --   "takeover"   the lease was LAPSED, REQUEUED, RETRYING or had expired, or a reservation
 --                of a task that ran before: new token, attempt + 1
 --   "duplicate"  a live owner holds it (RUNNING or STALLED, not expired): do not run
@@ -105,7 +105,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('HSET', KEYS[1], unpack(fields))
   end
   redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
-  return {'new', '', {'ownerToken', token, 'attempt', 1, 'takeovers', 0}}
+  return token
 end
 
 local status = redis.call('HGET', KEYS[1], 'status')

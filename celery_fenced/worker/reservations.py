@@ -41,7 +41,7 @@ from ..state import Reservation
 from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
 
-__all__ = ["GATHER", "MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
+__all__ = ["GATHER", "LOOK_OVERDUE", "MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ MAX_BATCH = 500
 
 #: How long a received message may wait for a process before its reservation is written, seconds.
 GATHER = 0.02
+
+#: A scheduled look this many seconds overdue is taken as lost (a timer entry cancelled at a
+#: reconnect): the next received message schedules another.
+LOOK_OVERDUE = 1.0
 
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
 MAX_HELD = 100_000
@@ -90,7 +94,7 @@ class ReservationWriter:
         self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()  # batches to write
         self._held: dict[str, None] = {}  # reserved here and not started: insertion order
         self._arrived: deque[tuple[float, Any]] = deque()  # (received at, request), oldest first
-        self._looking = False  # a look at the arrived requests is scheduled
+        self._look_at: float | None = None  # when the scheduled look at them is due (monotonic)
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
@@ -101,14 +105,15 @@ class ReservationWriter:
 
     def received(self, request: Any) -> None:
         """A fenced task's message arrived (``task_received``): reserve it unless it starts soon."""
+        now = time.monotonic()
         with self._held_lock:
             self._held[request.id] = None
             if len(self._held) > MAX_HELD:
                 del self._held[next(iter(self._held))]
-            self._arrived.append((time.monotonic(), request))
-            if self._looking:
+            self._arrived.append((now, request))
+            if self._look_at is not None and now < self._look_at + LOOK_OVERDUE:
                 return
-            self._looking = True
+            self._look_at = now + GATHER
         self._look_after(GATHER)
 
     def started(self, task_id: str) -> None:
@@ -130,7 +135,7 @@ class ReservationWriter:
                 if request.id in self._held:
                     due.append(request)
             wait = GATHER - (now - arrived[0][0]) if arrived else None
-            self._looking = wait is not None
+            self._look_at = now + wait if wait is not None else None
         if due:
             self.handed += 1
             self._queue.put(due)
@@ -140,7 +145,7 @@ class ReservationWriter:
     @property
     def looking(self) -> bool:
         """A look at received requests is scheduled (some may still start in time)."""
-        return self._looking
+        return self._look_at is not None
 
     def _look_after(self, seconds: float) -> None:
         if self._hub is not None:

@@ -20,7 +20,7 @@ from kombu.asynchronous import Hub
 from kombu.utils.json import dumps
 
 from celery_fenced import ProgressLeasedTask
-from celery_fenced.worker.reservations import GATHER, ReservationWriter
+from celery_fenced.worker.reservations import GATHER, LOOK_OVERDUE, ReservationWriter
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer
 
@@ -112,3 +112,27 @@ def test_what_is_held_unstarted_is_written_when_the_worker_stops(app: Celery) ->
     reservations.received(request)
     reservations.stop()
     assert status(app, request.id) == "RESERVED"
+
+
+def test_a_look_cancelled_with_the_loops_timer_is_scheduled_again_by_the_next_message(app: Celery) -> None:
+    """Celery cancels timer entries at a reconnect: a look that never comes must not leave the
+    writer waiting for it."""
+    hub = Hub()
+    reservations = ReservationWriter(app, "w1@host", hub=hub)
+    reservations.start()
+    try:
+        first = received(app)
+        reservations.received(first)
+        hub.timer.clear()  # the fault: the scheduled look is cancelled
+        time.sleep(LOOK_OVERDUE + 0.05)  # and stays missing until it is overdue
+        later = received(app)
+        reservations.received(later)
+
+        def written() -> bool:
+            hub.fire_timers()
+            return status(app, later.id) == "RESERVED"
+
+        wait_until(written, 10, "the reservation after the cancelled look")
+        assert status(app, first.id) == "RESERVED"  # the first one too: it was still unstarted
+    finally:
+        reservations.stop()

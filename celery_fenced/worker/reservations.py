@@ -136,11 +136,15 @@ class ReservationWriter:
                     due.append(request)
             wait = GATHER - (now - arrived[0][0]) if arrived else None
             self._look_at = now + wait if wait is not None else None
-        if due:
-            self.handed += 1
-            self._queue.put(due)
+        self._hand(due)
         if wait is not None:
             self._look_after(wait)
+
+    def _hand(self, requests: list[Any]) -> None:
+        """Give the writing thread one batch (each batch wakes it once)."""
+        if requests:
+            self.handed += 1
+            self._queue.put(requests)
 
     @property
     def looking(self) -> bool:
@@ -170,9 +174,7 @@ class ReservationWriter:
         with self._held_lock:
             unstarted = [request for _, request in self._arrived if request.id in self._held]
             self._arrived.clear()
-        if unstarted:
-            self.handed += 1
-            self._queue.put(unstarted)
+        self._hand(unstarted)
         self._queue.put(None)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():

@@ -54,6 +54,9 @@ _CALL_ENCODER = json.JSONEncoder()
 #: No progress to publish (a version of 0 is never newer than the stored one).
 _NO_PROGRESS = ProgressReport()
 
+#: What ``store.lua`` answers with 1.
+_STORED_DONE = StoreResult(StoreOutcome.STORED, "DONE")
+
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -281,7 +284,10 @@ class LeaseStore:
             "1" if worker_lost else "0",
             owner_id,
         ]
-        code, detail = self.scripts.store(keys=keys, args=args)
+        reply = self.scripts.store(keys=keys, args=args)
+        if reply == 1:  # a READY result stored, the lease DONE: the common case
+            return _STORED_DONE
+        code, detail = reply
         return StoreResult(outcome(StoreOutcome, "store", code), as_text(detail))
 
     # -- reaper side --------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 Each script lives in its own ``<name>.lua`` file beside this module, headed by its KEYS,
 ARGV and return codes. The functions several scripts share (the server clock, Celery's
-result write) live once, in ``_lib.lua``, which the loader puts in front of each script.
+result write) live once, in ``_lib.lua``; the loader puts in front of each script the ones it
+calls.
 :class:`ScriptSet` holds every script file as a :class:`LeaseScript`, which runs it by SHA and
 loads it again after ``NoScriptError`` (a Redis restart).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -47,10 +49,39 @@ def script_header(name: str) -> str:
     return _read(name)
 
 
+_FUNCTION = re.compile(r"^local function (\w+)\(", re.MULTILINE)
+
+
+@cache
+def _library() -> dict[str, str]:
+    """The functions of ``_lib.lua`` by name, each with its source, in the file's order."""
+    text = _read(_LIBRARY)
+    starts = list(_FUNCTION.finditer(text))
+    ends = [match.start() for match in starts[1:]] + [len(text)]
+    return {match.group(1): text[match.start() : end].rstrip() + "\n" for match, end in zip(starts, ends, strict=True)}
+
+
+def _calls(source: str, name: str) -> bool:
+    return re.search(rf"\b{name}\(", source) is not None
+
+
 @cache
 def script_source(name: str) -> str:
-    """The Lua source run for a script: the shared library, then ``<name>.lua``."""
-    return f"{_read(_LIBRARY)}\n{script_header(name)}"
+    """The Lua source run for a script: the functions of the shared library it calls (and
+    those they call), then ``<name>.lua``.
+
+    Every function defined costs each run of the script a closure, called or not.
+    """
+    body = script_header(name)
+    library = _library()
+    needed = {fn for fn in library if _calls(body, fn)}
+    while True:  # what the needed functions call in turn
+        more = {fn for fn in library if fn not in needed and any(_calls(library[n], fn) for n in needed)}
+        if not more:
+            break
+        needed |= more
+    used = "".join(source for fn, source in library.items() if fn in needed)
+    return f"{used}\n{body}"
 
 
 class LeaseScript:

@@ -49,10 +49,9 @@ local function snapshot()
   return out
 end
 
-local now = now_ms()
-local ttl = tonumber(ARGV[2])
--- Numbers written as text once (see int_arg).
-local now_arg, expire_arg = int_arg(now), int_arg(now + ttl)
+local now_arg = now_ms_text()
+local now = tonumber(now_arg)
+local expire_arg = int_arg(now + tonumber(ARGV[2]))
 
 -- What every acquire writes for its owner (attempt and takeovers are counted apart).
 local function owner_fields(token)

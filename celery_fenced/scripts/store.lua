@@ -22,7 +22,9 @@
 -- A writer whose READY write ended the lease gets "stored" again for the same token, state
 -- and result (its reply was lost and it asks again); nothing is written twice.
 --
--- Returns {code, detail}:
+-- Returns 1 for a READY result stored that ended the lease ("stored" with detail "DONE", the
+-- common case: a table would cost the server more than the lease's own write), and
+-- otherwise {code, detail}:
 --   "stored"    written (detail: the lease status after, "" without a lease)
 --   "stale"     refused: a newer token owns the task (detail: the current token)
 --   "finished"  refused: the lease already ended (DONE or ABANDONED)
@@ -33,8 +35,7 @@
 --   "sticky"    not written: a SUCCESS is already stored (Celery's own rule), with no lease,
 --               or for a task id applied again after it (detail "kept"; a READY state still
 --               ends that run's lease)
-local now = now_ms()
-local now_arg = int_arg(now)
+local now_arg = now_ms_text()
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
@@ -47,7 +48,7 @@ if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state
   -- The writer that ended the lease asking again with the same result (its reply was lost
   -- to a connection error): the same answer, so its chord, chain and errback side effects
   -- still run. Nothing is written twice.
-  return {'stored', 'DONE'}
+  return 1
 end
 
 if not status then
@@ -116,9 +117,9 @@ if kind == 'ready' then
   if expires > 0 then
     redis.call('PEXPIRE', KEYS[1], ARGV[5])
   end
-  return {'stored', 'DONE'}
+  return 1
 elseif kind == 'retry' then
-  local due = int_arg(now + tonumber(ARGV[6]))
+  local due = int_arg(tonumber(now_arg) + tonumber(ARGV[6]))
   redis.call('ZADD', KEYS[3], due, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
   return {'stored', 'RETRYING'}

@@ -86,7 +86,10 @@ class Heartbeat:
         self._listener = listener
         self._default_interval = default_interval
         self._clock = clock
-        self._leases: weakref.WeakValueDictionary[str, OwnedLease] = weakref.WeakValueDictionary()
+        # Weak references without a callback (a callback's reference costs each task more
+        # than the rest of its registration): leases dropped without unregister() are pruned
+        # when the leases are read.
+        self._leases: dict[str, weakref.ref[OwnedLease]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -121,9 +124,8 @@ class Heartbeat:
         A lease whose heartbeat interval is shorter than the wait under way wakes the
         thread, which then waits the shorter interval: it is renewed in time.
         """
-        self._leases[lease.owner_id] = lease
-        thread = self._thread
-        if thread is None or not thread.is_alive():
+        self._leases[lease.owner_id] = weakref.ref(lease)
+        if self._thread is None or self._stop.is_set():  # the thread runs until stop()
             self.start()
         elif lease.policy.heartbeat_interval < self._waiting:
             self._wake.set()
@@ -134,7 +136,14 @@ class Heartbeat:
 
     def leases(self) -> list[OwnedLease]:
         """The leases served now."""
-        return list(self._leases.values())
+        served = []
+        for owner_id, ref in list(self._leases.items()):
+            lease = ref()
+            if lease is None:
+                self._leases.pop(owner_id, None)
+            else:
+                served.append(lease)
+        return served
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -336,6 +336,11 @@ class AcquireResult:
 
     ``token``, ``attempt`` and ``takeovers`` are read from the script's answer at once (every
     task needs them); the whole snapshot, :attr:`state`, only when asked for.
+
+    Attributes:
+        token: the token of the lease's owner (this attempt's when it runs).
+        attempt: executions that acquired the lease, this one included when it runs.
+        takeovers: how many times the reaper took the task over.
     """
 
     task_id: str
@@ -343,25 +348,32 @@ class AcquireResult:
     previous_status: str
     snapshot: Sequence[Any] = field(repr=False)  # the script's flat field list
     checkpoint: Checkpoint | None = None
+    token: int = 0
+    attempt: int = 0
+    takeovers: int = 0
+
+    @classmethod
+    def first(cls, task_id: str, token: int) -> AcquireResult:
+        """A first delivery's answer: ``token``, attempt 1, no takeovers."""
+        return cls(task_id, AcquireOutcome.NEW, "", ("ownerToken", token, "attempt", 1, "takeovers", 0), None, token, 1)
+
+    @classmethod
+    def from_reply(
+        cls,
+        task_id: str,
+        outcome: AcquireOutcome,
+        previous_status: str,
+        snapshot: Sequence[Any],
+        checkpoint: Checkpoint | None,
+    ) -> AcquireResult:
+        """An answer with the lease's snapshot (who holds it), its counts read from it."""
+        fields = _flat_fields(snapshot)
+        counts = (_int(fields, "ownerToken"), _int(fields, "attempt"), _int(fields, "takeovers"))
+        return cls(task_id, outcome, previous_status, snapshot, checkpoint, *counts)
 
     @cached_property
     def _fields(self) -> dict[str, str]:
         return _flat_fields(self.snapshot)
-
-    @property
-    def token(self) -> int:
-        """The token of the lease's owner (this attempt's when it runs)."""
-        return _int(self._fields, "ownerToken")
-
-    @property
-    def attempt(self) -> int:
-        """Executions that acquired the lease, this one included when it runs."""
-        return _int(self._fields, "attempt")
-
-    @property
-    def takeovers(self) -> int:
-        """How many times the reaper took the task over."""
-        return _int(self._fields, "takeovers")
 
     @cached_property
     def state(self) -> LeaseState:

@@ -147,11 +147,11 @@ class LeaseStore:
         call_json = _CALL_ENCODER.encode(call) if call else ""
         reply = self._acquire(task_id, owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id)
         if isinstance(reply, int):  # a first delivery: its token alone
-            return AcquireResult(task_id, AcquireOutcome.NEW, "", ("ownerToken", reply, "attempt", 1, "takeovers", 0))
+            return AcquireResult.first(task_id, reply)
         code, previous, flat, *rest = reply
         answer = outcome(AcquireOutcome, "acquire", code)
         checkpoint = Checkpoint.from_json(as_text(rest[0])) if rest else None
-        return AcquireResult(task_id, answer, as_text(previous), flat, checkpoint)
+        return AcquireResult.from_reply(task_id, answer, as_text(previous), flat, checkpoint)
 
     def _acquire(
         self,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import redis
@@ -64,7 +66,7 @@ def owned(store: LeaseStore, task_id: str) -> OwnedLease:
 def heartbeat(store: LeaseStore, listener: RecordingListener, *leases: OwnedLease) -> Heartbeat:
     beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60)
     for lease in leases:
-        beat._leases[lease.owner_id] = lease  # served, without starting the thread: tick() by hand
+        beat._leases[lease.owner_id] = weakref.ref(lease)  # served, without starting the thread: tick() by hand
     return beat
 
 
@@ -73,6 +75,37 @@ def store_success(store: LeaseStore, lease: OwnedLease) -> None:
         lease.task_id, lease.token, b'{"status": "SUCCESS"}', state="SUCCESS", kind="ready", expires_ms=0
     )
     assert (outcome.code, outcome.detail) == ("stored", "DONE")
+
+
+def test_a_lease_dropped_without_unregister_is_no_longer_served(store: LeaseStore) -> None:
+    kept, dropped = owned(store, "kept"), owned(store, "dropped")
+    beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60)
+    beat._leases["kept"] = weakref.ref(kept)  # served, without starting the thread
+    beat._leases["dropped"] = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert beat.leases() == [kept]
+    assert len(beat._leases) == 1  # pruned, not only skipped
+
+
+def test_register_starts_the_thread_and_again_after_stop(store: LeaseStore) -> None:
+    lease = owned(store, "t1")
+    beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60)
+    try:
+        beat.register(lease)
+        first = beat._thread
+        assert first is not None and first.is_alive()
+        beat.register(lease)
+        assert beat._thread is first  # one thread per process
+        beat.stop()
+        assert not first.is_alive()
+        beat.register(lease)
+        assert beat._thread is not first and beat._thread is not None and beat._thread.is_alive()
+        assert beat.leases() == [lease]
+        beat.unregister(lease)
+        assert beat.leases() == []
+    finally:
+        beat.stop()
 
 
 def test_a_renewal_racing_the_owners_own_result_write_is_not_a_loss(
@@ -149,7 +182,7 @@ def stalling(store: LeaseStore, on_stall: str, now: float, **settings: object) -
 
 def clocked(store: LeaseStore, listener: RecordingListener, now: list[float], lease: OwnedLease) -> Heartbeat:
     beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60, clock=lambda: now[0])
-    beat._leases[lease.owner_id] = lease
+    beat._leases[lease.owner_id] = weakref.ref(lease)
     return beat
 
 

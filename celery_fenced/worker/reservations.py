@@ -10,8 +10,8 @@ sends again any whose task did not start in time (cause ``unstarted``).
 * :meth:`ReservationWriter.received` runs on the consumer's event loop: it only notes the
   request. A timer of that loop (or, for a worker without one, a timer thread) looks, every
   :data:`GATHER` seconds while requests arrive, for those no process started within
-  :data:`GATHER` seconds, and hands them to a thread of the main process, which writes them
-  with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
+  :data:`GATHER` seconds, and hands them to a thread of the main process, which writes
+  them with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
   where a process is free, start first: they cost neither a round trip nor a wake-up of that
   thread, and no task process waits on the write.
 * :meth:`ReservationWriter.started` forgets a request a process accepted.
@@ -90,6 +90,7 @@ class ReservationWriter:
         self.start_timeout = ensure_conf(app).start_timeout
         self.written = 0  # reservations written
         self.handed = 0  # batches handed to the writing thread (each wakes it once)
+        self.looks = 0  # looks the timer ran
         self._hub = hub
         self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()  # batches to write
         self._held: dict[str, None] = {}  # reserved here and not started: insertion order
@@ -124,21 +125,25 @@ class ReservationWriter:
     def look(self) -> None:
         """Hand the requests that waited :data:`GATHER` seconds unstarted to the writing thread.
 
-        Runs on the timer; while requests are still to be looked at, it schedules itself again.
+        Runs on the timer; while requests are still to be looked at, it schedules itself again,
+        :data:`GATHER` seconds later: one look serves every request that arrived meanwhile (a
+        look per request cost the event loop more than the rest of the receipt), and a request
+        waits between one and two windows before it is handed on.
         """
         now = time.monotonic()
         due = []
         with self._held_lock:
+            self.looks += 1
             arrived = self._arrived
             while arrived and now - arrived[0][0] >= GATHER:
                 request = arrived.popleft()[1]
                 if request.id in self._held:
                     due.append(request)
-            wait = GATHER - (now - arrived[0][0]) if arrived else None
-            self._look_at = now + wait if wait is not None else None
+            again = bool(arrived)
+            self._look_at = now + GATHER if again else None
         self._hand(due)
-        if wait is not None:
-            self._look_after(wait)
+        if again:
+            self._look_after(GATHER)
 
     def _hand(self, requests: list[Any]) -> None:
         """Give the writing thread one batch (each batch wakes it once)."""

@@ -105,6 +105,29 @@ def test_tasks_that_all_start_in_time_never_wake_the_writing_thread(
     assert all(status(app, r.id) is None for r in requests)
 
 
+def test_requests_arriving_steadily_share_looks(
+    app: Celery, writer: tuple[ReservationWriter, Callable[[], None]]
+) -> None:
+    """A look per request would cost the event loop more than the rest of the receipt."""
+    reservations, run_timers = writer
+    count, spacing = 60, GATHER / 10
+    started = time.monotonic()
+    for number in range(count):
+        request = received(app)
+        reservations.received(request)
+        reservations.started(request.id)
+        while time.monotonic() < started + (number + 1) * spacing:  # the next arrival
+            run_timers()
+    elapsed = time.monotonic() - started
+    deadline = time.monotonic() + 3 * GATHER
+    while reservations.looking and time.monotonic() < deadline:
+        run_timers()
+    wait_until(lambda: not reservations.looking, 5, "the timer to stop looking")
+    assert reservations.looks <= elapsed / GATHER + 3  # one per window, not one per request
+    assert reservations.looks < count / 2
+    assert (reservations.handed, reservations.written) == (0, 0)
+
+
 def test_what_is_held_unstarted_is_written_when_the_worker_stops(app: Celery) -> None:
     reservations = ReservationWriter(app, "w1@host", hub=Hub())  # its timer never runs here
     reservations.start()

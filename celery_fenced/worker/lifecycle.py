@@ -55,39 +55,43 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Keyed by the app object itself (not its id(), which a later app could reuse).
-_heartbeats: dict[tuple[int, Celery], Heartbeat] = {}
+# This process's heartbeats, keyed by the app object itself (not its id(), which a later app
+# could reuse). A forked child starts with none: the parent's threads do not run in it.
+_heartbeats: dict[Celery, Heartbeat] = {}
 _heartbeats_lock = threading.Lock()
+
+
+def _forget_heartbeats() -> None:
+    global _heartbeats_lock
+    _heartbeats.clear()
+    _heartbeats_lock = threading.Lock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_forget_heartbeats)
 
 
 # -- the heartbeat of this process -------------------------------------------------------------
 
 
 def heartbeat_for(app: Celery, create: bool = True) -> Heartbeat | None:
-    """This process's heartbeat for ``app`` (created on first use; per pid, so fork-safe)."""
-    key = (os.getpid(), app)
-    heartbeat = _heartbeats.get(key)
+    """This process's heartbeat for ``app`` (created on first use; a forked child makes its own)."""
+    heartbeat = _heartbeats.get(app)
     if heartbeat is None and create:
         with _heartbeats_lock:
-            heartbeat = _heartbeats.get(key)
+            heartbeat = _heartbeats.get(app)
             if heartbeat is None:
-                for stale in [k for k in _heartbeats if k[0] != key[0]]:
-                    del _heartbeats[stale]  # copied from the parent by fork: no thread here
-                heartbeat = Heartbeat(
+                heartbeat = _heartbeats[app] = Heartbeat(
                     store_factory=lambda: app.backend.lease_store,
                     listener=WorkerListener(app),
                     default_interval=ensure_conf(app).policy.heartbeat_interval,
                 )
-                _heartbeats[key] = heartbeat
     return heartbeat
 
 
 def stop_heartbeats() -> None:
     """Stop and join every heartbeat of this process."""
-    pid = os.getpid()
-    for key, heartbeat in list(_heartbeats.items()):
-        if key[0] == pid:
-            heartbeat.stop()
+    for heartbeat in list(_heartbeats.values()):
+        heartbeat.stop()
 
 
 def body_finished(lease: OwnedLease) -> None:

@@ -82,7 +82,7 @@ def tick_costs(store: LeaseStore, policy: Any, count: int, ticks: int) -> tuple[
         leases.append(OwnedLease(f"tick-{count}-{i}", "bench", owner, acquired.token, 1, 0, policy))
     beat = Heartbeat(store_factory=lambda: store, listener=QuietListener(), default_interval=60)
     for lease in leases:
-        beat._leases[lease.owner_id] = lease  # served without the thread: ticked by hand
+        beat.serve(lease)  # served without the thread: ticked by hand
     keys = [store.keys.lease(lease.task_id) for lease in leases]
 
     def progress() -> None:

@@ -27,6 +27,11 @@ BENCHMARKS = [
     ),
     ("one task's path (instructions)", ["task_path.py"], ["task_path.py", "--tasks", "30"]),
     (
+        "a real worker's task process (instructions)",
+        ["task_path.py", "--worker"],
+        ["task_path.py", "--worker", "--tasks", "20"],
+    ),
+    (
         "the server's time for one task's writes",
         ["script_cost.py"],
         ["script_cost.py", "--tasks", "200", "--rounds", "1"],

@@ -124,11 +124,15 @@ class Heartbeat:
         A lease whose heartbeat interval is shorter than the wait under way wakes the
         thread, which then waits the shorter interval: it is renewed in time.
         """
-        self._leases[lease.owner_id] = weakref.ref(lease)
+        self.serve(lease)
         if self._thread is None or self._stop.is_set():  # the thread runs until stop()
             self.start()
         elif lease.policy.heartbeat_interval < self._waiting:
             self._wake.set()
+
+    def serve(self, lease: OwnedLease) -> None:
+        """Serve a lease without starting the thread (for a caller that runs :meth:`tick`)."""
+        self._leases[lease.owner_id] = weakref.ref(lease)
 
     def unregister(self, lease: OwnedLease) -> None:
         """Stop serving a lease."""

@@ -7,6 +7,7 @@ measured, not asserted (see docs/performance.rst).
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -34,3 +35,5 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
         "takeover after the deadline",
     ):
         assert figure in output, f"{figure!r} missing from:\n{output[-5000:]}"
+    if shutil.which("valgrind"):  # callgrind counts a real worker's task process
+        assert "ratio fenced/plain = " in output and "(task process)" in output, output[-5000:]

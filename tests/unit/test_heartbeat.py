@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import weakref
+from dataclasses import replace
 
 import pytest
 import redis
@@ -66,7 +66,7 @@ def owned(store: LeaseStore, task_id: str) -> OwnedLease:
 def heartbeat(store: LeaseStore, listener: RecordingListener, *leases: OwnedLease) -> Heartbeat:
     beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60)
     for lease in leases:
-        beat._leases[lease.owner_id] = weakref.ref(lease)  # served, without starting the thread: tick() by hand
+        beat.serve(lease)  # served, without starting the thread: tick() by hand
     return beat
 
 
@@ -78,10 +78,10 @@ def store_success(store: LeaseStore, lease: OwnedLease) -> None:
 
 
 def test_a_lease_dropped_without_unregister_is_no_longer_served(store: LeaseStore) -> None:
-    kept, dropped = owned(store, "kept"), owned(store, "dropped")
+    kept, dropped = owned(store, "kept"), replace(owned(store, "dropped"), owner_id=OWNER + "-2")
     beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60)
-    beat._leases["kept"] = weakref.ref(kept)  # served, without starting the thread
-    beat._leases["dropped"] = weakref.ref(dropped)
+    beat.serve(kept)  # served, without starting the thread
+    beat.serve(dropped)
     del dropped
     gc.collect()
     assert beat.leases() == [kept]
@@ -182,7 +182,7 @@ def stalling(store: LeaseStore, on_stall: str, now: float, **settings: object) -
 
 def clocked(store: LeaseStore, listener: RecordingListener, now: list[float], lease: OwnedLease) -> Heartbeat:
     beat = Heartbeat(store_factory=lambda: store, listener=listener, default_interval=60, clock=lambda: now[0])
-    beat._leases[lease.owner_id] = weakref.ref(lease)
+    beat.serve(lease)
     return beat
 
 

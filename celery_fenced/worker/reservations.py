@@ -10,8 +10,8 @@ sends again any whose task did not start in time (cause ``unstarted``).
 * :meth:`ReservationWriter.received` runs on the consumer's event loop: it only notes the
   request. A timer of that loop (or, for a worker without one, a timer thread) looks, every
   :data:`GATHER` seconds while requests arrive, for those no process started within
-  :data:`GATHER` seconds, and hands them to a thread of the main process, which writes
-  them with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
+  :data:`GATHER` seconds, and hands them to a thread of the main process, which writes them
+  with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
   where a process is free, start first: they cost neither a round trip nor a wake-up of that
   thread, and no task process waits on the write.
 * :meth:`ReservationWriter.started` forgets a request a process accepted.

@@ -1,0 +1,107 @@
+"""The scripts' own connections: one per thread, in step with their replies, made again when lost."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from celery_fenced.scripts import ThreadConnections
+from celery_fenced.state import AcquireOutcome
+from celery_fenced.store import LeaseStore
+from tests.unit.store.helpers import acquire
+
+
+def client_id(connections: ThreadConnections) -> int:
+    return int(connections.execute("CLIENT", "ID"))
+
+
+def test_a_thread_keeps_its_connection_and_another_thread_has_its_own(redis_client: redis.Redis) -> None:
+    connections = ThreadConnections(redis_client)
+    mine = client_id(connections)
+    assert client_id(connections) == mine
+    theirs: list[int] = []
+    thread = threading.Thread(target=lambda: theirs.append(client_id(connections)))
+    thread.start()
+    thread.join()
+    assert theirs and theirs[0] != mine
+
+
+def test_the_connection_has_the_clients_settings(redis_client: redis.Redis) -> None:
+    database = redis_client.connection_pool.connection_kwargs.get("db", 0)
+    other = redis.Redis(
+        host=redis_client.connection_pool.connection_kwargs["host"],
+        port=redis_client.connection_pool.connection_kwargs["port"],
+        db=database + 1,
+    )
+    try:
+        connections = ThreadConnections(other)
+        connections.execute("SET", "where-am-i", "here")
+        assert other.get("where-am-i") == b"here"
+        assert redis_client.get("where-am-i") is None
+    finally:
+        other.delete("where-am-i")
+        other.close()
+
+
+def test_a_connection_the_server_closed_is_made_again(store: LeaseStore, redis_client: redis.Redis) -> None:
+    assert acquire(store).outcome is AcquireOutcome.NEW
+    connections = store.scripts.acquire.connections
+    before = client_id(connections)
+    redis_client.client_kill_filter(_id=before)
+    # The call that meets the closed socket connects again and runs: the task is not lost.
+    assert acquire(store, task_id="t2").outcome is AcquireOutcome.NEW
+    assert client_id(connections) != before
+
+
+def test_an_exception_between_the_command_and_its_reply_does_not_leave_the_reply_behind(
+    store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connections = store.scripts.acquire.connections
+    assert connections.execute("PING")  # connected: what follows is the command's own send
+    connection = connections.connection()
+    send = type(connection).send_command
+    interrupted = []
+
+    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        send(self, *args, **kwargs)
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt  # as an exception raised into the thread would be
+        return None
+
+    monkeypatch.setattr(type(connection), "send_command", sent_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        connections.execute("ECHO", "first")
+    # The next command reads its own reply, not the first one's.
+    assert connections.execute("ECHO", "second") == b"second"
+
+
+def test_a_script_error_keeps_the_connection(redis_client: redis.Redis) -> None:
+    connections = ThreadConnections(redis_client)
+    before = client_id(connections)
+    with pytest.raises(redis.ResponseError):
+        connections.execute("EVAL", "return redis.call('NO-SUCH-COMMAND')", 0)
+    assert client_id(connections) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_makes_its_own_connection(redis_client: redis.Redis) -> None:
+    connections = ThreadConnections(redis_client)
+    parent = client_id(connections)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its connection's id, then leave at once
+        try:
+            os.write(write, str(client_id(connections)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = int(pipe.read() or "0")
+    os.waitpid(pid, 0)
+    assert child not in (0, parent)
+    assert client_id(connections) == parent  # the parent's connection is untouched

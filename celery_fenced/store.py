@@ -273,17 +273,13 @@ class LeaseStore:
             self.keys.result(task_id),
             self.keys.index,
         ]
-        args = [
-            "" if token is None else _require_token(token),
-            meta,
-            state,
-            kind,
-            max(0, expires_ms),
-            max(0, retry_due_ms),
-            writer,
-            "1" if worker_lost else "0",
-            owner_id,
-        ]
+        written_by = "" if token is None else _require_token(token)
+        args: list[Any] = [written_by, meta, state, kind, max(0, expires_ms), owner_id]
+        # The arguments past the last one the write needs are left out (see store.lua).
+        if token is None:
+            args += [max(0, retry_due_ms), writer, "1" if worker_lost else "0"]
+        elif kind == "retry":
+            args.append(max(0, retry_due_ms))
         reply = self.scripts.store(keys=keys, args=args)
         if reply == 1:  # a READY result stored, the lease DONE: the common case
             return _STORED_DONE

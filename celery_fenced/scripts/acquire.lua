@@ -34,6 +34,28 @@
 --                task and a delivery without a publish id are never run again
 --   "abandoned"  taken over too often: do not run
 
+local now_arg = now_ms_text()
+local now = tonumber(now_arg)
+local expire_arg = int_arg(now + tonumber(ARGV[2]))
+local publish_id = ARGV[7] or ''
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+
+if not exists and ARGV[4] ~= '' and publish_id ~= '' then
+  -- The common case, a first delivery: one write, and the answer is known without a read.
+  -- The fields of owner_fields(token), new_run_fields() and the counts, written out:
+  -- building the table would cost the server as much as a third of this write.
+  local token = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', int_arg(token),
+    'currentStage', ARGV[6], 'progressVersion', '0', 'heartbeatAt', now_arg, 'lastProgressAt', now_arg,
+    'leaseExpireAt', expire_arg, 'leaseTtl', ARGV[2], 'taskName', ARGV[3], 'maxTakeovers', ARGV[5],
+    'call', ARGV[4], 'publishId', publish_id, 'attempt', '1', 'takeovers', '0')
+  redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
+  return token
+end
+
+-- Defined past the common case, which returns above: each function defined is a closure
+-- made by every run that reaches its definition.
+
 -- The owner needs only these fields back (not the recorded call, which can be large).
 local function snapshot()
   local names = {'status', 'ownerId', 'ownerToken', 'attempt', 'takeovers', 'leaseExpireAt',
@@ -48,10 +70,6 @@ local function snapshot()
   end
   return out
 end
-
-local now_arg = now_ms_text()
-local now = tonumber(now_arg)
-local expire_arg = int_arg(now + tonumber(ARGV[2]))
 
 -- What every acquire writes for its owner (attempt and takeovers are counted apart).
 local function owner_fields(token)
@@ -74,8 +92,6 @@ local function owner_fields(token)
   return fields
 end
 
-local publish_id = ARGV[7] or ''
-
 -- A new run (a first delivery, or the task id applied again) remembers its publish id.
 local function new_run_fields(fields)
   if publish_id ~= '' then
@@ -85,24 +101,15 @@ local function new_run_fields(fields)
   return fields
 end
 
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  -- The common case, a first delivery: one write, and the answer is known without a read.
+if not exists then
+  -- A first delivery without a recorded call or a publish id.
   local token = redis.call('INCR', KEYS[2])
-  if ARGV[4] ~= '' and publish_id ~= '' then
-    -- owner_fields(token), new_run_fields() and the counts, written out: building the table
-    -- would cost the server as much as a third of this write.
-    redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', int_arg(token),
-      'currentStage', ARGV[6], 'progressVersion', '0', 'heartbeatAt', now_arg, 'lastProgressAt', now_arg,
-      'leaseExpireAt', expire_arg, 'leaseTtl', ARGV[2], 'taskName', ARGV[3], 'maxTakeovers', ARGV[5],
-      'call', ARGV[4], 'publishId', publish_id, 'attempt', '1', 'takeovers', '0')
-  else
-    local fields = new_run_fields(owner_fields(token))
-    fields[#fields + 1] = 'attempt'
-    fields[#fields + 1] = '1'
-    fields[#fields + 1] = 'takeovers'
-    fields[#fields + 1] = '0'
-    redis.call('HSET', KEYS[1], unpack(fields))
-  end
+  local fields = new_run_fields(owner_fields(token))
+  fields[#fields + 1] = 'attempt'
+  fields[#fields + 1] = '1'
+  fields[#fields + 1] = 'takeovers'
+  fields[#fields + 1] = '0'
+  redis.call('HSET', KEYS[1], unpack(fields))
   redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
   return token
 end

@@ -12,12 +12,17 @@
 -- ARGV[3]  state (SUCCESS, FAILURE, REVOKED, RETRY, STARTED or a custom state)
 -- ARGV[4]  kind: "ready" (READY_STATES), "retry", or "other"
 -- ARGV[5]  result expiry, ms (0: none); a DONE lease lives exactly as long
--- ARGV[6]  RETRYING: ms until the reaper may re-send (retry eta + requeue timeout)
--- ARGV[7]  tokenless writes: "<hostname>/<pid>/", the owner-id prefix of the process that
---          ran the task; "" when no process ran it (a copy revoked or expired unstarted)
--- ARGV[8]  tokenless writes: "1" when the write is a WorkerLostError
--- ARGV[9]  writes with a token: the writer's ownerId (an equal token of another owner, after
---          a restart that moved the token counter back, is not current)
+-- ARGV[6]  writes with a token: the writer's ownerId (an equal token of another owner, after
+--          a restart that moved the token counter back, is not current); may be ""
+-- ARGV[7]  RETRYING: ms until the reaper may re-send (retry eta + requeue timeout); only
+--          for a RETRY write
+-- ARGV[8]  tokenless writes: "<hostname>/<pid>/", the owner-id prefix of the process that
+--          ran the task; "" or absent when no process ran it (a copy revoked or expired
+--          unstarted)
+-- ARGV[9]  tokenless writes: "1" when the write is a WorkerLostError, else "0" or absent
+--
+-- The arguments past the last one a write needs are left out (each argument costs the
+-- server as much as a short command's own work): a token's READY write sends six.
 --
 -- A writer whose READY write ended the lease gets "stored" again for the same token, state
 -- and result (its reply was lost and it asks again); nothing is written twice.
@@ -40,11 +45,11 @@ local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
 
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'resultState', 'successKept')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept')
 local status = cur[1]
 
-if status == 'DONE' and token ~= '' and cur[2] == token and cur[4] == state
-    and redis.call('GET', KEYS[2]) == meta then
+if status == 'DONE' and token ~= '' and cur[2] == token
+    and redis.call('HGET', KEYS[1], 'resultState') == state and redis.call('GET', KEYS[2]) == meta then
   -- The writer that ended the lease asking again with the same result (its reply was lost
   -- to a connection error): the same answer, so its chord, chain and errback side effects
   -- still run. Nothing is written twice.
@@ -66,18 +71,19 @@ if not status then
 end
 
 if token ~= '' then
-  if cur[2] ~= token or (ARGV[9] ~= '' and cur[3] ~= ARGV[9] and cur[3] ~= '') then
+  local owner_id = ARGV[6] or ''
+  if cur[2] ~= token or (owner_id ~= '' and cur[3] ~= owner_id and cur[3] ~= '') then
     return {'stale', cur[2] or ''}
   end
 else
   if status == 'DONE' or status == 'ABANDONED' then
     return {'finished', status}
   end
-  local writer = ARGV[7]
+  local writer = ARGV[8] or ''
   local owner = cur[3] or ''
   local by_owner = writer ~= '' and string.sub(owner, 1, #writer) == writer
   local live = status == 'RUNNING' or status == 'STALLED'
-  if ARGV[8] == '1' then
+  if ARGV[9] == '1' then
     if by_owner and live then
       redis.call('ZADD', KEYS[3], now_arg, KEYS[1])
       redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now_arg, 'lapsedAt', now_arg,
@@ -95,7 +101,7 @@ if status == 'DONE' or status == 'ABANDONED' then
   return {'finished', status}
 end
 
-if cur[5] then
+if cur[4] then
   -- A task id applied again after a SUCCESS: Celery keeps that SUCCESS, so nothing is
   -- written; a READY state still ends the new run's lease.
   if kind == 'ready' then
@@ -119,7 +125,7 @@ if kind == 'ready' then
   end
   return 1
 elseif kind == 'retry' then
-  local due = int_arg(tonumber(now_arg) + tonumber(ARGV[6]))
+  local due = int_arg(tonumber(now_arg) + tonumber(ARGV[7] or '0'))
   redis.call('ZADD', KEYS[3], due, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
   return {'stored', 'RETRYING'}

@@ -133,9 +133,8 @@ class ThreadConnections:
         connection = self.connection()
         try:
             return _send(connection, args)
-        except (ConnectionError, TimeoutError):
-            connection.disconnect()
-            return connection.retry.call_with_retry(lambda: _send(connection, args), _disconnect(connection))
+        except (ConnectionError, TimeoutError):  # _send disconnected it
+            return connection.retry.call_with_retry(lambda: _send(connection, args), lambda error: None)
 
 
 def _send(connection: Any, args: tuple[Any, ...]) -> Any:
@@ -149,10 +148,6 @@ def _send(connection: Any, args: tuple[Any, ...]) -> Any:
     except BaseException:
         connection.disconnect()  # the reply may be unread
         raise
-
-
-def _disconnect(connection: Any) -> Any:
-    return lambda error: connection.disconnect()
 
 
 class LeaseScript:

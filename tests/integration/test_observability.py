@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from celery_fenced.harness import free_port
-from tests.integration.conftest import Cluster, lease
+from tests.integration.conftest import KEYS, Cluster, lease
 from tests.support.processes import CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -81,6 +81,12 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     assert cluster.cli("redrive", result.id).returncode == 1  # not abandoned
     for _ in range(3):
         app.steady.delay(5, 0.3).get(timeout=15)  # 1.5 s in load-data, 0.3 s between progress calls
+
+    def load_data_samples() -> int:  # each worker adds its samples at its next heartbeat tick
+        counts = cluster.results.hgetall(KEYS.gaps)
+        return sum(int(count) for field, count in counts.items() if field.startswith(b"load-data|"))
+
+    wait_until(lambda: load_data_samples() >= 3, 10, "the third run's gap sample to be flushed")
     tune = cluster.cli("tune", "--floor", "0.1", "--factor", "2", "--min-samples", "3")
     assert tune.returncode == 0, tune.stderr
     header, row = tune.stdout.splitlines()[0], next(r for r in tune.stdout.splitlines() if r.startswith("load-data"))

@@ -94,6 +94,10 @@ class LeaseStore:
         self.keys = keys
         self.scripts = ScriptSet(client)
 
+    def close(self) -> None:
+        """Close the connections the scripts keep (not the client's, which is its owner's)."""
+        self.scripts.close()
+
     # -- the receiving worker's side ------------------------------------------------------
 
     def reserve_many(self, reservations: Sequence[Reservation], reserved_by: str) -> list[ReserveOutcome]:

@@ -11,9 +11,11 @@ thread's own (:class:`ThreadConnections`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -112,19 +114,33 @@ class ThreadConnections:
     A connection error disconnects it and runs the call again under the connection's own
     retry policy, as the client does; an error that leaves the reply unread (an exception
     raised into the thread) disconnects it, so a later call never reads a stale reply.
+
+    Every connection made is closed on purpose, never left to the garbage collector (a
+    redis-py connection sits in a reference cycle, and a cycle's objects are finalized in no
+    set order, so its socket could be collected first, unclosed): by :meth:`close`, when
+    this object is collected, or, for a thread that ended or a parent process's, when a
+    thread makes its connection.
     """
 
     def __init__(self, client: Any) -> None:
         self.pool = client.connection_pool
         self._local = threading.local()
+        # id(connection) -> (its thread, the fork generation, the connection). Changed only
+        # by single dict operations, which need no lock (a lock held by another thread at a
+        # fork would stay held in the child).
+        self._made: dict[int, tuple[weakref.ref[threading.Thread], int, Any]] = {}
+        weakref.finalize(self, _close_all, self._made)
 
     def connection(self) -> Any:
         """This thread's connection (made on first use, and again in a forked child)."""
         local = self._local
         if getattr(local, "generation", None) != _generation:
+            self._close_orphans()
             # Made as the pool makes its own, but kept out of its count: the pool never sees it
-            # back, and a thread that ends closes it.
-            local.connection = self.pool.connection_class(**self.pool.connection_kwargs)
+            # back (a pool with ``max_connections`` would run out).
+            connection = self.pool.connection_class(**self.pool.connection_kwargs)
+            self._made[id(connection)] = (weakref.ref(threading.current_thread()), _generation, connection)
+            local.connection = connection
             local.generation = _generation
         return local.connection
 
@@ -135,6 +151,31 @@ class ThreadConnections:
             return _send(connection, args)
         except (ConnectionError, TimeoutError):  # _send disconnected it
             return connection.retry.call_with_retry(lambda: _send(connection, args), lambda error: None)
+
+    def close(self) -> None:
+        """Close every thread's connection; a thread's next call connects again."""
+        _close_all(self._made, keep=True)
+
+    def _close_orphans(self) -> None:
+        """Close the connections of threads that ended, and those a forked child inherited."""
+        for key, (thread, generation, connection) in list(self._made.items()):
+            owner = thread()
+            if generation != _generation or owner is None or not owner.is_alive():
+                self._made.pop(key, None)
+                _disconnect(connection)
+
+
+def _close_all(made: dict[int, tuple[Any, int, Any]], keep: bool = False) -> None:
+    for key, (_, _, connection) in list(made.items()):
+        if not keep:
+            made.pop(key, None)
+        _disconnect(connection)
+
+
+def _disconnect(connection: Any) -> None:
+    # A parent's connection, in a forked child, is only closed (redis-py checks the pid).
+    with contextlib.suppress(Exception):
+        connection.disconnect()
 
 
 def _send(connection: Any, args: tuple[Any, ...]) -> Any:
@@ -185,10 +226,14 @@ class ScriptSet:
     """The package's scripts on one Redis client, as attributes by name."""
 
     def __init__(self, client: Any) -> None:
-        connections = ThreadConnections(client)
+        self.connections = ThreadConnections(client)
         # Plain instance attributes: a lookup on every call finds them at once.
         for name in SCRIPT_NAMES:
-            setattr(self, name, LeaseScript(client, script_source(name), connections))
+            setattr(self, name, LeaseScript(client, script_source(name), self.connections))
+
+    def close(self) -> None:
+        """Close the scripts' own connections (the client's pool is its owner's to close)."""
+        self.connections.close()
 
     def __getattr__(self, name: str) -> LeaseScript:
         raise AttributeError(f"no lease script {name!r}")

@@ -203,6 +203,8 @@ class Cluster:
             consumer = backend.result_consumer
             consumer.stop()
             backend.client.close()
+            if "lease_store" in backend.__dict__:  # made only once a script ran in this process
+                backend.lease_store.close()
             consumer.cancel_for = lambda task_id: None  # results collected later: nothing to unsubscribe
 
 

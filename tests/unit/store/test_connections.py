@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_fenced.harness import wait_until
 from celery_fenced.scripts import ThreadConnections
 from celery_fenced.state import AcquireOutcome
 from celery_fenced.store import LeaseStore
@@ -105,3 +107,62 @@ def test_a_forked_child_makes_its_own_connection(redis_client: redis.Redis) -> N
     os.waitpid(pid, 0)
     assert child not in (0, parent)
     assert client_id(connections) == parent  # the parent's connection is untouched
+
+
+def test_close_closes_every_threads_connection_and_a_later_call_connects_again(redis_client: redis.Redis) -> None:
+    connections = ThreadConnections(redis_client)
+    before = client_id(connections)
+    theirs: list[Any] = []
+    release = threading.Event()
+
+    def other_thread() -> None:
+        client_id(connections)
+        theirs.append(connections.connection())
+        release.wait(10)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        wait_until(lambda: theirs, 10, "the other thread's connection")
+        mine = connections.connection()
+        connections.close()
+        assert not mine.is_connected and not theirs[0].is_connected
+    finally:
+        release.set()
+        thread.join()
+    assert client_id(connections) != before
+
+
+def test_the_connection_of_a_thread_that_ended_is_closed_when_a_thread_makes_its_own(
+    redis_client: redis.Redis,
+) -> None:
+    connections = ThreadConnections(redis_client)
+    ended: list[Any] = []
+
+    def short_lived() -> None:
+        client_id(connections)
+        ended.append(connections.connection())
+
+    thread = threading.Thread(target=short_lived)
+    thread.start()
+    thread.join()
+    assert ended[0].is_connected
+    client_id(connections)  # this thread's first call
+    assert not ended[0].is_connected
+
+
+def test_the_connections_are_closed_when_their_owner_is_collected(redis_client: redis.Redis) -> None:
+    connections = ThreadConnections(redis_client)
+    client_id(connections)
+    connection = connections.connection()  # still referenced here: nothing but the owner closes it
+    del connections
+    gc.collect()
+    assert not connection.is_connected
+
+
+def test_a_store_closes_its_scripts_connections(store: LeaseStore) -> None:
+    assert acquire(store).outcome is AcquireOutcome.NEW
+    connection = store.scripts.connections.connection()
+    store.close()
+    assert not connection.is_connected
+    assert acquire(store, task_id="t2").outcome is AcquireOutcome.NEW  # and it still works

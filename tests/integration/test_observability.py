@@ -113,8 +113,17 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
         match = re.search(rf"^{re.escape(sample)} ([0-9.e+-]+)$", text, re.M)
         return float(match.group(1)) if match else 0.0
 
-    wait_until(lambda: value(scrape(), "owner_fencing_rejected_total") >= 1, 15, "the refused write to be counted")
-    text = scrape()
+    def all_counted() -> str | None:  # each worker adds its counts at its next heartbeat tick
+        text = scrape()
+        seen = (
+            value(text, "owner_fencing_rejected_total") >= 1  # the zombie's worker (w1)
+            and value(text, "owner_no_progress_timeout_total") >= 1
+            and value(text, 'owner_takeover_total{cause="stalled"}') >= 1  # a reaper
+            and value(text, "owner_task_total_duration_seconds_count") >= 1  # the new owner's (w2)
+        )
+        return text if seen else None
+
+    text = wait_until(all_counted, 15, "the refused write, the stall, the takeover and the success to be counted")
     assert value(text, 'owner_takeover_total{cause="stalled"}') == 1
     assert value(text, 'owner_takeover_total{cause="gone"}') == 0
     assert value(text, "owner_fencing_rejected_total") == 1
@@ -130,7 +139,7 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
     assert value(text, "owner_progress_update_total") >= 2
     assert value(text, "owner_stream_idle_timeout_total") == 0
     assert 'owner_stage_duration_seconds_count{stage="load-data"}' in text or "owner_stage_duration_seconds" in text
-    assert "owner_task_total_duration_seconds_count" in text
+    assert value(text, "owner_task_total_duration_seconds_count") == 1
     for name in ("owner_ai_first_token_duration_seconds",):
         assert f"# TYPE {name} histogram" in text
 

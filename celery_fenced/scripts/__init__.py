@@ -154,7 +154,7 @@ class ThreadConnections:
 
     def close(self) -> None:
         """Close every thread's connection; a thread's next call connects again."""
-        _close_all(self._made, keep=True)
+        _close_all(self._made)
 
     def _close_orphans(self) -> None:
         """Close the connections of threads that ended, and those a forked child inherited."""
@@ -165,10 +165,9 @@ class ThreadConnections:
                 _disconnect(connection)
 
 
-def _close_all(made: dict[int, tuple[Any, int, Any]], keep: bool = False) -> None:
-    for key, (_, _, connection) in list(made.items()):
-        if not keep:
-            made.pop(key, None)
+def _close_all(made: dict[int, tuple[Any, int, Any]]) -> None:
+    # The entries stay: a thread reconnects its connection on its next call, still tracked.
+    for _, _, connection in list(made.values()):
         _disconnect(connection)
 
 

@@ -21,11 +21,18 @@ from typing import Any, TypeVar
 
 from celery import states
 from celery.app.task import Context
-from celery.backends.base import _is_request_ignore_result
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 
 from . import metrics, reaper, signals
+from .compat import (
+    StoreResultHook,
+    call_errbacks,
+    fail_chain,
+    failure_expires,
+    is_request_ignore_result,
+    result_meta,
+)
 from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
@@ -108,7 +115,7 @@ def check_redis_url(url: Any) -> None:
         )
 
 
-class FencedRedisBackend(RedisBackend):
+class FencedRedisBackend(StoreResultHook, RedisBackend):
     """Celery's Redis result backend, with every write fenced by the task's token.
 
     The leases live beside the results, in this backend's Redis (same server, same
@@ -149,15 +156,10 @@ class FencedRedisBackend(RedisBackend):
 
     # -- the fenced write -------------------------------------------------------------------
 
-    def _store_result(
-        self,
-        task_id: str,
-        result: Any,
-        state: str,
-        traceback: Any = None,
-        request: Any = None,
-        **kwargs: Any,
+    def store_with_request(
+        self, task_id: str, result: Any, state: str, traceback: Any, request: Any, **kwargs: Any
     ) -> Any:
+        """Store one write through the fence (Celery's one write that receives the request)."""
         attempt = attempt_of(request)
         if attempt is not None and attempt.skip:
             # A duplicate or finished delivery: its writes (STARTED included) go nowhere.
@@ -165,7 +167,7 @@ class FencedRedisBackend(RedisBackend):
         if attempt is not None and state == states.SUCCESS and attempt.result_stored:
             return result  # already stored through the fence by the task itself
         token = attempt.token_for(task_id) if attempt is not None else None
-        meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
+        meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = as_text(task_id)
         if token is not None:
             meta["fence_token"] = token
@@ -184,7 +186,7 @@ class FencedRedisBackend(RedisBackend):
             self.encode(meta),
             state=state,
             kind=kind,
-            expires_ms=self._expires_ms(state),
+            expires_ms=self.expires_ms(state),
             retry_due_ms=int((retry_delay + conf.requeue_timeout) * 1000),
             writer=_main_process_writer(request) if token is None else "",
             worker_lost=token is None and state == states.FAILURE and _is_worker_lost(result),
@@ -241,8 +243,9 @@ class FencedRedisBackend(RedisBackend):
         else:
             logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, outcome.detail)
 
-    def _expires_ms(self, state: str) -> int:
-        expires = self.failure_expires if state == states.FAILURE else self.expires
+    def expires_ms(self, state: str) -> int:
+        """How long a result in ``state`` is kept, in milliseconds (0: for ever)."""
+        expires = failure_expires(self) if state == states.FAILURE else self.expires
         return int(expires * 1000) if expires else 0
 
     def _refused(self, task_id: str, request: Any) -> bool:
@@ -265,7 +268,7 @@ class FencedRedisBackend(RedisBackend):
     ) -> None:
         """Store a SUCCESS; a refused write does not count a chord part."""
         self._last_write.outcome = None
-        if store_result and not _is_request_ignore_result(request):
+        if store_result and not is_request_ignore_result(request):
             self.store_result(task_id, result, state, request=request)
         if self._refused(task_id, request):
             return
@@ -309,9 +312,9 @@ class FencedRedisBackend(RedisBackend):
         FAILURE of every later chain step, call the errbacks."""
         if request.chord:
             self.on_chord_part_return(request, state, exc)
-        self._fail_chain(getattr(request, "chain", None), exc, traceback, store_result=store_chain, state=state)
+        fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result=store_chain, state=state)
         if errbacks and request.errbacks:
-            self._call_task_errbacks(request, exc, traceback)
+            call_errbacks(self, request, exc, traceback)
 
     def ended_without_owner(self, task_id: str, call: Any, exc: BaseException, state: str) -> None:
         """Run Celery's side effects for a READY state stored without an owner's write.
@@ -355,7 +358,7 @@ class FencedRedisBackend(RedisBackend):
 
     def encoded_meta(self, task_id: str, exc: BaseException, state: str, token: int) -> Any:
         """Encode a READY meta for ``exc``, carrying ``token`` as ``fence_token``."""
-        meta = self._get_result_meta(result=self.encode_result(exc, state), state=state, traceback=None, request=None)
+        meta = result_meta(self, self.encode_result(exc, state), state, None, None)
         meta["task_id"] = task_id
         meta["fence_token"] = token
         return self.encode(meta)
@@ -366,7 +369,7 @@ class FencedRedisBackend(RedisBackend):
 
     def failure_expires_ms(self) -> int:
         """The expiry of a FAILURE result in milliseconds (0: none)."""
-        return self._expires_ms(states.FAILURE)
+        return self.expires_ms(states.FAILURE)
 
 
 class FencedSentinelBackend(FencedRedisBackend, SentinelBackend):

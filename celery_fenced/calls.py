@@ -13,7 +13,7 @@ import os
 import uuid
 from typing import Any
 
-from celery.app.task import get_actual_ignore_result
+from .compat import get_actual_ignore_result
 
 __all__ = ["PUBLISH_ID_HEADER", "AttemptIds", "next_attempt_id", "recorded_call", "tag_publish"]
 

@@ -11,13 +11,14 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 
 from . import control
+from .compat import UTC
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
 from .metrics import ClusterCollector, read_false_takeovers, read_gaps

@@ -41,7 +41,7 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
     def revoked_meta(token: int) -> object:
         return backend.encoded_meta(task_id, TaskRevokedError(reason), states.REVOKED, token)
 
-    expires_ms = backend._expires_ms(states.REVOKED)
+    expires_ms = backend.expires_ms(states.REVOKED)
     code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     if code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
         code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import metrics
+from .compat import WeakrefSlot
 from .conf import DEFAULTS, TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
 from .state import Checkpoint, ProgressReport
@@ -136,8 +137,8 @@ class StageDeadline:
     first_chunk_at: float | None = None
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)
-class OwnedLease:
+@dataclass(eq=False, slots=True)
+class OwnedLease(WeakrefSlot):
     """One attempt's lease, as its owner process sees it.
 
     Attributes:

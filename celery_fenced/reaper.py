@@ -10,18 +10,16 @@ dies between claim and send loses nothing. Task ids that will be re-sent are nev
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery, states
-from celery._state import _task_stack
 
 from . import events, metrics, signals
 from .apps import first_time
 from .calls import PUBLISH_ID_HEADER
+from .compat import outside_any_task
 from .conf import DEFAULTS, check_settings_before_beat, ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .state import ClaimOutcome, ClaimResult, LeaseState
@@ -178,7 +176,7 @@ def resend(app: Celery, state: LeaseState) -> Any:
     if publish_id:
         headers[PUBLISH_ID_HEADER] = publish_id  # a copy of the same run, not a new apply
     options["task_id"] = state.task_id
-    with _outside_any_task():
+    with outside_any_task():  # keeps its own parent and root ids, not the reaper's
         return app.send_task(
             call.get("task") or state.task_name,
             args=call.get("args") or (),
@@ -187,25 +185,6 @@ def resend(app: Celery, state: LeaseState) -> Any:
             add_to_parent=False,
             **options,
         )
-
-
-@contextlib.contextmanager
-def _outside_any_task() -> Iterator[None]:
-    """Send as if no task were running: a re-sent call keeps its own parent and root ids.
-
-    Inside the reap task, ``send_task`` would otherwise make the reaper the parent of every
-    task it re-sends (and pass on its priority).
-    """
-    local = _task_stack._local
-    saved = getattr(local, "stack", None)
-    local.stack = []
-    try:
-        yield
-    finally:
-        if saved is None:
-            del local.stack
-        else:
-            local.stack = saved
 
 
 def request_reap(app: Celery) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
 from kombu.utils import json
+
+from .compat import StrEnum
 
 __all__ = [
     "SCRIPT_OUTCOMES",

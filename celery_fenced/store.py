@@ -12,11 +12,11 @@ Times in the shared state are milliseconds of the Redis server's clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from enum import StrEnum
 from typing import Any, TypeVar
 
 from kombu.utils import json
 
+from .compat import StrEnum
 from .exceptions import ConfigurationError, LeaseScriptError
 from .keys import KeySpace
 from .scripts import ScriptSet

@@ -23,6 +23,8 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
+from ..compat import is_connected
+
 __all__ = ["SCRIPT_NAMES", "LeaseScript", "ScriptSet", "ThreadConnections", "script_header", "script_source"]
 
 _LIBRARY = "_lib"
@@ -179,7 +181,7 @@ def _disconnect(connection: Any) -> None:
 
 def _send(connection: Any, args: tuple[Any, ...]) -> Any:
     try:
-        if not connection.is_connected:
+        if not is_connected(connection):
             connection.connect()  # as the pool does: a Sentinel's connection asks for the master
         connection.send_command(*args)
         return connection.read_response()

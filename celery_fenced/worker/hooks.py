@@ -19,12 +19,12 @@ import logging
 from typing import Any
 
 from celery import Celery, bootsteps, signals
-from celery._state import _get_active_apps
 from redis.exceptions import RedisError, ResponseError
 
 from .. import events
 from ..apps import first_time
 from ..calls import tag_publish
+from ..compat import active_apps, maintain_pool, pool_processes, registered_tasks
 from ..conf import ensure_conf, exit_in_one_line
 from ..exceptions import ConfigurationError
 from ..reaper import REAP_TASK_NAME, register_reaper_task
@@ -88,7 +88,7 @@ def _shared_from_fenced_apps(app: Celery, names: list[str]) -> set[str]:
     fenced app's, and do not stop the plain app's worker.
     """
     shared: set[str] = set()
-    for other in list(_get_active_apps()):
+    for other in active_apps():
         if other is app:
             continue
         try:
@@ -116,7 +116,7 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
             "interrupt of a stalled body need real threads. Use the prefork, threads or solo pool."
         )
     if not is_fenced(app):
-        fenced = sorted(name for name, task in app._tasks.items() if _is_fenced(task))
+        fenced = sorted(name for name, task in registered_tasks(app).items() if _is_fenced(task))
         shared = _shared_from_fenced_apps(app, fenced)
         if set(fenced) - shared:
             lease_store_of(app, "ProgressLeasedTask")  # raises, naming the backend in use
@@ -253,8 +253,8 @@ class ChildExitWatch(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         hub = getattr(parent, "hub", None)
-        pool = getattr(getattr(parent, "pool", None), "_pool", None)
-        if hub is None or pool is None or not hasattr(pool, "maintain_pool"):
+        pool = getattr(parent, "pool", None)
+        if hub is None or pool is None or pool_processes(pool) is None:
             return
         hub.call_repeatedly(CHILD_WATCH_INTERVAL, _maintain_if_a_child_exited, pool)
 
@@ -265,8 +265,8 @@ CHILD_WATCH_INTERVAL = 0.25
 
 def _maintain_if_a_child_exited(pool: Any) -> None:
     try:
-        if any(proc.exitcode is not None for proc in list(pool._pool)):
-            pool.maintain_pool()
+        if any(proc.exitcode is not None for proc in pool_processes(pool) or ()):
+            maintain_pool(pool)
     except Exception:
         logger.debug("child watch failed", exc_info=True)
 

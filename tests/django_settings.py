@@ -33,5 +33,7 @@ if POSTGRES_AVAILABLE:
         "PASSWORD": os.environ.get("FENCED_TEST_PG_PASSWORD", ""),
         "HOST": "127.0.0.1",
         "PORT": "5432",
+        # One test database per test run: the tox environments run side by side.
+        "TEST": {"NAME": f"test_celery_fenced_{os.getpid()}"},
     }
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}

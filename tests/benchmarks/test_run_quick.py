@@ -16,6 +16,7 @@ from tests.support.processes import run_project_python
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(900)  # callgrind and a worker per benchmark: minutes, not seconds
 def test_every_benchmark_runs_and_prints_its_figures() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     output = run_project_python(["benchmarks/run.py", "--quick"], env, timeout=600)

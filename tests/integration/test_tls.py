@@ -75,20 +75,32 @@ class TlsRedis:
         pytest.skip("no redis-server on PATH serves TLS: " + "; ".join(refused))
 
     def _start(self, binary: str, directory: Path) -> RedisServer | str:
-        """Start ``binary`` with a TLS port beside its plain one; why not, if it cannot serve TLS."""
-        self.tls_port = free_port()
-        tls = ["--tls-port", str(self.tls_port), "--tls-auth-clients", "no"]
-        tls += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
-        tls += ["--tls-ca-cert-file", str(self.certs["ca.crt"])]
-        server = RedisServer(binary, directory, extra_args=tls)
-        try:
-            server.start(timeout=15)
-        except RuntimeError as exc:
-            if "tls" in str(exc).lower():  # built without TLS: an unknown directive
-                return (str(exc).strip().splitlines() or ["exited"])[-1]
-            raise
-        wait_until(self._answers, 15, f"{binary} over TLS")
-        return server
+        """Start ``binary`` with a TLS port beside its plain one; why not, if it cannot serve TLS.
+
+        A TLS port another process took meanwhile (test runs side by side) is picked again.
+        """
+        for tries_left in reversed(range(3)):
+            self.tls_port = free_port()
+            tls = ["--tls-port", str(self.tls_port), "--tls-auth-clients", "no"]
+            tls += ["--tls-cert-file", str(self.certs["server.crt"]), "--tls-key-file", str(self.certs["server.key"])]
+            tls += ["--tls-ca-cert-file", str(self.certs["ca.crt"])]
+            server = RedisServer(binary, directory, extra_args=tls)
+            try:
+                server.start(timeout=15)
+            except RuntimeError as exc:
+                text = str(exc).lower()
+                if "address already in use" in text and tries_left:
+                    continue
+                if "tls" in text:  # built without TLS: an unknown directive
+                    return (str(exc).strip().splitlines() or ["exited"])[-1]
+                raise
+            try:
+                wait_until(self._answers, 15, f"{binary} over TLS")
+            except BaseException:
+                server.stop()
+                raise
+            return server
+        raise AssertionError("unreachable: the last try returns or raises")
 
     @property
     def port(self) -> int:

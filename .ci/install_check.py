@@ -9,6 +9,8 @@
    "Use it" program, taken from the README itself, with the README's own commands: a real
    worker (with beat) against a private ``redis-server`` runs the task under a lease, the
    result comes back, and ``celery fenced inspect`` shows the lease DONE with its token.
+   Then the same again in a project that pins the oldest supported Celery (5.5): pip keeps
+   the pin, and the program runs on it.
 3. Installs each extra alone into a fresh environment and runs what it is for: ``metrics``
    serves the exporter, ``flower`` serves Flower's task list, ``django`` makes a fenced cache
    write through django-redis, ``docs`` builds the documentation with warnings as errors.
@@ -246,18 +248,29 @@ def build(work: Path) -> Path:
     return wheel
 
 
-def check_first_program(work: Path, wheel: Path, redis_url: str) -> None:
-    """The README's "Use it" program, run as written, from the wheel with no extras."""
-    step("the wheel, no extras, in a fresh venv: the README's 'Use it' program on a real worker")
-    venv = Venv(work / "user")
-    venv.pip_install(wheel)
+def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str = "") -> None:
+    """The README's "Use it" program, run as written, from the wheel with no extras.
+
+    With ``celery_pin`` (a user's project pinning an older Celery), pip installs the wheel
+    beside that pin, and the pin is what the program runs on.
+    """
+    beside = f" beside {celery_pin!r}" if celery_pin else ""
+    step(f"the wheel, no extras{beside}, in a fresh venv: the README's 'Use it' program on a real worker")
+    name = "user-" + re.sub(r"[^0-9a-z]+", "-", celery_pin.lower()).strip("-") if celery_pin else "user"
+    venv = Venv(work / name)
+    venv.pip_install(wheel, *([celery_pin] if celery_pin else []))
     venv.pip_check()
+    if celery_pin:
+        installed = run([venv.python, "-c", "import celery; print(celery.__version__)"]).strip()
+        pinned = run([venv.python, "-c", PIN_HOLDS, celery_pin, installed]).strip()
+        if pinned != "True":
+            raise CheckFailed(f"pip installed Celery {installed}, not what {celery_pin!r} pins")
     program, (worker_line, client_line, inspect_line) = readme_program()
-    project = work / "user-project"
+    project = work / f"{name}-project"
     project.mkdir()
     (project / "proj.py").write_text(program)
     env = venv.env(REDIS_URL=redis_url)
-    worker_log = work / "user-worker.log"
+    worker_log = work / f"{name}-worker.log"
     worker = ["bash", "-c", "exec " + worker_line.rstrip().removesuffix("&")]
     with background(worker, worker_log, cwd=project, env=env) as proc:
         try:
@@ -273,6 +286,17 @@ def check_first_program(work: Path, wheel: Path, redis_url: str) -> None:
     if not re.search(r"^  status +DONE$", lease, re.M) or not re.search(r"^  ownerToken +\d+$", lease, re.M):
         raise CheckFailed(f"`celery fenced inspect` does not show a DONE lease with a token:\n{lease}")
     step(f"  task {task_id} ran under a lease and returned {result}")
+
+
+#: Whether a requirement (argv 1) admits a version (argv 2), by pip's own rules.
+PIN_HOLDS = """
+import sys
+from packaging.requirements import Requirement  # kombu[redis] brings packaging
+print(Requirement(sys.argv[1]).specifier.contains(sys.argv[2]))
+"""
+
+#: What a user's project pins in the second run of the README's program: the oldest supported Celery.
+OLDEST_CELERY = "celery[redis]>=5.5,<5.6"
 
 
 DJANGO_CHECK = """
@@ -364,6 +388,7 @@ def main() -> int:
         wheel = build(work)
         with redis_server(work) as redis_url:
             check_first_program(work, wheel, redis_url)
+            check_first_program(work, wheel, redis_url, celery_pin=OLDEST_CELERY)
             check_extras(work, wheel, redis_url)
         check_readme_first_command(work)
     except CheckFailed as exc:

@@ -28,11 +28,21 @@ pytestmark = pytest.mark.integration
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:
-    """A CA and a server certificate for 127.0.0.1, signed by it (valid one day)."""
+    """A CA and a server certificate for 127.0.0.1, signed by it (valid one day).
+
+    Both carry the extensions Python 3.13's strict verification (``VERIFY_X509_STRICT``, on by
+    default) asks for: a critical CA constraint and key usage, and key identifiers.
+    """
     names = ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt", "san.cnf")
     files = {name: str(directory / name) for name in names}
-    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    (directory / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
     ca = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=celery-fenced test CA"]
+    ca += ["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"]
+    ca += ["-addext", "subjectKeyIdentifier=hash"]
     request = ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"]
     sign = ["x509", "-req", "-days", "1", "-CAcreateserial", "-extfile", files["san.cnf"]]
     for argv in (

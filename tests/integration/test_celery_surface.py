@@ -9,12 +9,10 @@ from __future__ import annotations
 import socket
 import uuid
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 import pytest
 from celery import chain, chord
 
-from celery_fenced.compat import CELERY_VERSION
 from tests.integration.conftest import Cluster, lease, stored
 from tests.support.processes import CeleryProcess, wait_until
 
@@ -311,11 +309,7 @@ def test_a_task_stopped_at_its_max_duration_calls_its_errback_once(cluster: Clus
 
 def test_a_task_waiting_in_a_long_queue_is_never_abandoned(cluster: Cluster) -> None:
     app = cluster.app()
-    settings: dict[str, Any] = {"fenced_max_takeovers": 1, "fenced_requeue_timeout": 1}
-    if CELERY_VERSION < (5, 6):
-        # Celery 5.5 has no worker_disable_prefetch: late acks keep the running message counted
-        # against the prefetch limit, so the worker takes no second message (docs/guarantees).
-        settings["task_acks_late"] = True
+    settings = {"fenced_max_takeovers": 1, "fenced_requeue_timeout": 1}
     # The task's queue has one process, held by its stalled first attempt: the re-sent
     # message waits behind it, in the queue, for several requeue timeouts. The reaper runs
     # on another worker.

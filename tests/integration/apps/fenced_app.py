@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_fenced import LeaseLostError, ProgressLeasedTask, install
+from celery_fenced.compat import CELERY_VERSION
 from celery_fenced.worker.attempt import attempt_of
 
 app = Celery("fenced_app")
@@ -35,13 +36,14 @@ app.conf.update(
     fenced_reaper_interval=1,
     fenced_requeue_timeout=5,
 )
-if app.conf.broker_url.startswith("redis"):
+if app.conf.broker_url.startswith("redis") and CELERY_VERSION >= (5, 6):
     # Take a message only when a process is free: a worker whose only process is stuck
     # must not hold the re-sent message in its prefetch buffer (see docs/guarantees).
     app.conf.worker_disable_prefetch = True
 else:
-    # RabbitMQ: worker_disable_prefetch is Redis-only. Late acks keep the running message
-    # counted against the prefetch limit, so a stuck process holds no second message.
+    # RabbitMQ, and Celery 5.5: worker_disable_prefetch is Redis-only, and Celery 5.6's. Late
+    # acks keep the running message counted against the prefetch limit, so a stuck process
+    # holds no second message.
     app.conf.task_acks_late = True
 app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
 install(app)

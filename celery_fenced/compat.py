@@ -19,6 +19,7 @@ from typing import Any
 import celery
 from celery import states
 from celery.app.task import Context
+from celery.backends.base import _is_request_ignore_result
 from redis.connection import AbstractConnection
 
 __all__ = [
@@ -200,8 +201,6 @@ else:
 
 def is_request_ignore_result(request: Any) -> bool:
     """Celery's own rule for "this request's SUCCESS is not stored" (private in 5.5–5.7)."""
-    from celery.backends.base import _is_request_ignore_result
-
     return bool(_is_request_ignore_result(request))
 
 

@@ -212,8 +212,7 @@ class RedisServer:
             raise RuntimeError(f"{self.executable} exited with {process.returncode}:\n{log}")
         try:
             with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as client:
-                if not client.ping():  # LOADING while it reads its data: not serving yet
-                    return False
+                client.ping()  # refused while the server is LOADING its data (INFO would answer)
                 return process is None or int(client.info("server")["process_id"]) == process.pid
         except (redis.ConnectionError, redis.TimeoutError):
             return False

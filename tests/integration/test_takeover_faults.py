@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -242,16 +243,34 @@ def test_an_acks_late_redelivery_after_a_takeover_does_not_run_a_third_time(clus
 def test_reap_is_safe_when_run_twice_at_once_and_takes_the_time(cluster: Cluster) -> None:
     app = cluster.app()
     w1 = cluster.worker("w1", concurrency=2)
-    result = app.zombie_once.delay("r2")
-    wait_until(lambda: lease(cluster, result.id).get("status") in ("LAPSED", "REQUEUED"), 20, "the stall")
-    first, second = reap(app.app), reap(app.app)
-    assert first.claimed + second.claimed <= 1
+    result = app.progress_until_told.delay()
+    first_run = cluster.wait_runs(result.id, 1)[0]
+    # Frozen, the worker neither renews nor reaps: the two reaps below are the only ones.
+    w1.signal_group(signal.SIGSTOP)
+    try:
+        expire_at = int(lease(cluster, result.id)["leaseExpireAt"])
+        wait_until(lambda: time.time() * 1000 > expire_at + 200, 10, "the lease to expire")
+        start = threading.Barrier(2)
+        claims: list[int] = []
+
+        def reap_at_once() -> None:
+            start.wait(timeout=10)
+            claims.append(reap(app.app).claimed)
+
+        reapers = [threading.Thread(target=reap_at_once) for _ in range(2)]
+        for reaper in reapers:
+            reaper.start()
+        for reaper in reapers:
+            reaper.join(timeout=30)
+        assert sorted(claims) == [0, 1]
+    finally:
+        w1.signal_group(signal.SIGCONT)
     runs = cluster.wait_runs(result.id, 2, timeout=20)
-    assert len(runs) == 2
-    assert result.get(timeout=20).startswith("owner ")
-    assert reap(app.app, now=time.time() + 3600).claimed == 0  # the claim re-validates on the server
+    assert len(runs) == 2 and runs[1]["token"] > first_run["token"]
     cluster.wake(result.id)
-    assert "takeover" in w1.log()
+    assert result.get(timeout=20) == f"told {runs[1]['token']}"
+    assert reap(app.app, now=time.time() + 3600).claimed == 0  # the claim re-validates on the server
+    assert int(lease(cluster, result.id)["takeovers"]) == 1
 
 
 def test_chaos_soak(cluster: Cluster) -> None:

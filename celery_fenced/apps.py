@@ -1,8 +1,10 @@
 """What celery-fenced keeps per Celery app, beside the app rather than on it.
 
-The parsed settings (:func:`~celery_fenced.conf.ensure_conf`) and the one-time wiring steps
-(:func:`first_time`) are held in a weak mapping keyed by the app, so nothing is added to
-Celery's object and a discarded app takes its entry with it.
+The parsed settings (:func:`~celery_fenced.conf.ensure_conf`), the one-time wiring steps
+(:func:`first_time`), the hook that hears its backend's writes and, in a worker process, the
+app's worker runtime are held in a weak mapping keyed by the app, so nothing is added to
+Celery's object and a discarded app takes its entry with it. Nothing else in the package
+keeps per-app state.
 """
 
 from __future__ import annotations
@@ -12,15 +14,26 @@ from dataclasses import dataclass, field
 from typing import Any
 from weakref import WeakKeyDictionary
 
-__all__ = ["AppRecord", "first_time", "record_of"]
+__all__ = ["AppRecord", "all_records", "first_time", "record_of"]
 
 
 @dataclass
 class AppRecord:
-    """What is kept for one app: its validated configuration and the steps done for it."""
+    """What is kept for one app.
+
+    Attributes:
+        conf: its validated configuration.
+        done: the one-time steps done for it.
+        write_hook: what hears its backend's writes (see :mod:`celery_fenced.writes`).
+        runtime: its worker runtime in this process (see :mod:`celery_fenced.worker.runtime`).
+        dispatcher: its event dispatcher and the pid of the process that made it.
+    """
 
     conf: Any = None
     done: set[str] = field(default_factory=set)
+    write_hook: Any = None
+    runtime: Any = None
+    dispatcher: tuple[int, Any] | None = None
 
 
 _records: WeakKeyDictionary[Any, AppRecord] = WeakKeyDictionary()
@@ -44,3 +57,8 @@ def first_time(app: Any, step: str) -> bool:
             return False
         record.done.add(step)
         return True
+
+
+def all_records() -> list[AppRecord]:
+    """The records of every app alive in this process."""
+    return list(_records.values())

@@ -6,9 +6,11 @@ stored only when the writer's fencing token is the current one, and a READY stat
 lease in the same atomic step. Tasks without a lease (plain tasks) are written exactly as
 Celery's Redis backend writes them, with its "a stored SUCCESS is final" rule made atomic.
 
-A refused write is dropped, logged and counted; it never raises into Celery's trace and
-runs none of the side effects Celery attaches to a write (chord part counting, errbacks,
-failing the rest of a chain).
+A refused write is dropped; it never raises into Celery's trace and runs none of the side
+effects Celery attaches to a write (chord part counting, errbacks, failing the rest of a
+chain). The backend only stores: each outcome goes to its app's write hook
+(:mod:`celery_fenced.writes`), which logs it, and in a worker also ends or loses the
+writer's lease, counts it and asks for a reap.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from celery.app.task import Context
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 
-from . import metrics, reaper, signals
 from .compat import (
     StoreResultHook,
     call_errbacks,
@@ -36,9 +37,10 @@ from .compat import (
 from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
-from .state import StoreOutcome, StoreResult, as_text
+from .running import attempt_of
+from .state import StoreResult, as_text
 from .store import LeaseStore
-from .worker.attempt import attempt_of
+from .writes import WriteReport, hook_of
 
 __all__ = [
     "REDIS_SCHEMES",
@@ -195,9 +197,7 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         outcome: StoreResult = self.retrying(store)
         self._last_write.outcome = (task_id, outcome.code)
         writer = attempt if attempt is not None and token is not None else None
-        self._report(task_id, state, token, outcome, writer)
-        if writer is not None:
-            writer.result_written(self.lease_store, self.app, state, outcome)
+        hook_of(self.app)(self.app, WriteReport(task_id, state, token, outcome, writer))
         return result
 
     @cached_property
@@ -205,43 +205,6 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         """Per thread, ``(task id, outcome code)`` of the last write: Celery's side effects
         after a write run only if it was not refused."""
         return threading.local()
-
-    def _report(self, task_id: str, state: str, token: int | None, outcome: StoreResult, writer: Any) -> None:
-        """Log, count and signal a write that was not stored; ask for a reap after a lapse.
-
-        ``writer`` is the attempt that wrote with ``token`` (``None`` for a tokenless write).
-        """
-        code = outcome.code
-        if code == StoreOutcome.STORED:
-            return
-        if writer is not None and writer.overtaken_by_its_retry(state, outcome):
-            # The retry message was acquired before this RETRY write: the retry's new owner
-            # holds the task now, and its STARTED must not be overwritten.
-            logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, outcome.detail)
-            return
-        if code == StoreOutcome.STALE:
-            current = int(outcome.detail) if outcome.detail.isdigit() else None
-            name = writer.task_name if writer is not None else None
-            logger.warning(
-                "stale write dropped: task %s[%s] state=%s stage=%s token=%s current token=%s",
-                name,
-                task_id,
-                state,
-                writer.stage if writer is not None else None,
-                token,
-                current,
-            )
-            metrics.buffer.inc("owner_fencing_rejected_total")
-            if writer is None:
-                metrics.buffer.flush(self.lease_store)  # an owner's count is flushed with its loss
-            signals.stale_write_rejected.send(
-                sender=name, task_id=task_id, token=token, current_token=current, state=state
-            )
-        elif code == StoreOutcome.LAPSED:
-            logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
-            reaper.request_reap(self.app)
-        else:
-            logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, outcome.detail)
 
     def expires_ms(self, state: str) -> int:
         """How long a result in ``state`` is kept, in milliseconds (0: for ever)."""

@@ -26,24 +26,26 @@ logger = logging.getLogger("celery_fenced.calls")
 
 class AttemptIds:
     """``"<pid>/<random><counter>"``: unique per attempt, between threads, and between processes
-    that reuse a pid (the random part is drawn again in every process, forks included)."""
+    that reuse a pid (the random part is drawn again in every process, forks included: the
+    first id a forked child asks for sees its new pid)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Draw a new random part (at import, and in every forked child)."""
+        """Draw a new random part for this process."""
         self._pid = os.getpid()
         self._prefix = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
 
     def next_id(self) -> str:
         """The next id of this process."""
+        if os.getpid() != self._pid:
+            self.reset()  # a forked child: the parent's counter and random part are not its own
         return f"{self._pid}/{self._prefix}{next(self._counter):x}"  # next() on a count is atomic
 
 
 _attempt_ids = AttemptIds()
-os.register_at_fork(after_in_child=_attempt_ids.reset)
 
 
 def next_attempt_id() -> str:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from .apps import record_of
+
 if TYPE_CHECKING:
     from .owner import OwnedLease
 
@@ -41,7 +43,6 @@ EVENT_TYPES = (
 CELERY_EVENT_TYPES = ("task-failed",)
 
 _settings: dict[str, Any] = {"enabled": None, "hostname": None}
-_dispatchers: dict[tuple[int, Celery], Any] = {}  # keyed by the app, not its reusable id()
 _lock = threading.Lock()
 
 
@@ -62,16 +63,17 @@ def enabled(app: Celery) -> bool:
 
 
 def _dispatcher(app: Celery) -> Any:
-    key = (os.getpid(), app)
-    dispatcher = _dispatchers.get(key)
-    if dispatcher is None:
-        for stale in [k for k in _dispatchers if k[0] != key[0]]:
-            del _dispatchers[stale]  # inherited through fork: its connection is the parent's
-        hostname = _settings["hostname"] or f"celery@{socket.gethostname()}"
-        dispatcher = app.events.Dispatcher(
-            app.connection_for_write(), hostname=hostname, enabled=True, buffer_while_offline=False
-        )
-        _dispatchers[key] = dispatcher
+    """This process's dispatcher for ``app``, kept in the app's record (lock held)."""
+    record = record_of(app)
+    pid = os.getpid()
+    if record.dispatcher is not None and record.dispatcher[0] == pid:
+        return record.dispatcher[1]
+    # None yet, or inherited through fork: its connection is the parent's.
+    hostname = _settings["hostname"] or f"celery@{socket.gethostname()}"
+    dispatcher = app.events.Dispatcher(
+        app.connection_for_write(), hostname=hostname, enabled=True, buffer_while_offline=False
+    )
+    record.dispatcher = (pid, dispatcher)
     return dispatcher
 
 
@@ -96,7 +98,7 @@ def send(
     except Exception as exc:
         logger.debug("could not send %s for %s: %r", event_type, task_id, exc)
         with _lock:
-            _dispatchers.pop((os.getpid(), app), None)
+            record_of(app).dispatcher = None
         return False
     return True
 

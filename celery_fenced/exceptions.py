@@ -9,8 +9,13 @@ The tree::
     ├── TaskAbandonedError          stored as the FAILURE of a task taken over too often
     └── LeaseScriptError            a lease script answered something this version does not know
 
+    BaseException
+    └── LeaseInterrupted            raised into a body whose lease was lost (an interrupt)
+
 ``LeaseLostError`` is what a task body sees from ``self.progress()`` once the lease is gone;
 ``StaleOwnerError`` is what the fenced write helpers raise for a writer whose token is old.
+``LeaseInterrupted`` is not an ``Exception``: a body's ``except Exception`` around a blocking
+call cannot swallow the interrupt that exists to free its process (as ``asyncio.CancelledError``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from celery.exceptions import ImproperlyConfigured
 __all__ = [
     "ConfigurationError",
     "FencedError",
+    "LeaseInterrupted",
     "LeaseLostError",
     "LeaseScriptError",
     "StaleOwnerError",
@@ -97,3 +103,29 @@ class TaskAbandonedError(FencedError):
 
 class LeaseScriptError(FencedError):
     """A lease script returned a code this version does not know."""
+
+
+class LeaseInterrupted(BaseException):
+    """Raised into a task body whose lease was lost, out of whatever call it was blocked in.
+
+    Sent by signal (prefork) or as an asynchronous exception (threads, solo) when
+    ``fenced_interrupt_on_loss`` is on. It derives from ``BaseException``, so ``except
+    Exception`` does not catch it; ``finally`` blocks and ``with`` exits still run. A block
+    that must not be cut runs under ``self.shield()``: the interrupt waits for its end. The
+    task ends as a lost owner does (``Ignore``: nothing stored); outside the body the public
+    API raises :class:`LeaseLostError`.
+
+    Attributes:
+        task_id: the task whose lease was lost.
+        token: the fencing token the lost owner held.
+        reason: why the lease was lost.
+    """
+
+    def __init__(self, task_id: str | None = None, token: int | None = None, reason: str = "") -> None:
+        super().__init__(task_id, token, reason)
+        self.task_id = task_id
+        self.token = token
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"task {self.task_id} (token {self.token}) interrupted: lease lost: {self.reason}"

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.commands.core import Script
-
 from .exceptions import StaleOwnerError
 from .scripts import script_source
 
 __all__ = ["fence_key", "fenced_set", "fenced_update"]
-
-_scripts: dict[int, Script] = {}
 
 
 def fence_key(key: str) -> str:
@@ -52,9 +48,9 @@ def fenced_set(client: Any, key: str, value: Any, token: int, *, px: int | None 
         StaleOwnerError: a newer token wrote the key.
     """
     _check_token(token)
-    script = _scripts.get(id(client))
-    if script is None:
-        script = _scripts[id(client)] = client.register_script(script_source("fenced_write"))
+    # Registered per call (a SHA1 of the source, microseconds): a cache per client would keep
+    # every client alive, since redis-py's Script holds the client it was registered on.
+    script = client.register_script(script_source("fenced_write"))
     written, current = script(keys=[key, fence_key(key)], args=[token, value, px or 0])
     if not int(written):
         raise StaleOwnerError(key, token, "a newer token wrote this key", int(current))

@@ -194,11 +194,8 @@ class Heartbeat:
     def _check_progress(self, lease: OwnedLease, now: float) -> tuple[bool, bool]:
         """Return ``(renew, stalled)`` for one lease, applying ``on_stall`` when due."""
         allowed, elapsed, bound = lease.no_progress_deadline(now)
-        if elapsed <= allowed:
-            lease.stall_checks_failed = 0
-            lease.stalled_reported = False
+        if not lease.progress_checked(elapsed <= allowed):
             return True, False
-        lease.stall_checks_failed += 1
         policy = lease.policy
         if lease.stall_checks_failed < policy.stall_checks:
             return True, False
@@ -219,17 +216,17 @@ class Heartbeat:
             )
             self._listener.stalled(lease, bound, allowed, elapsed)
         if policy.on_stall == "alert":
-            lease.stalled_reported = True
+            lease.stall_reported()
             return True, True
         if policy.on_stall == "expire":
             if not lease.stalled_reported and self._lapse(lease, "expire", bound):
-                lease.stalled_reported = True
+                lease.stall_reported()
                 # No renewal comes any more: the owner is told now (event, signal, interrupt),
                 # not only when its local expiry check fires.
                 self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s); left to expire")
             return False, True
         if self._lapse(lease, "release", bound):
-            lease.stalled_reported = True
+            lease.stall_reported()
             if self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s)"):
                 self._listener.released(lease)
         return False, True
@@ -271,12 +268,11 @@ class Heartbeat:
         renewed = []
         for (lease, _), (_, details), code in zip(batch, reports, codes, strict=True):
             if code == RenewOutcome.OK:
-                lease.renewed = sent
-                lease.published_details = details
+                lease.renewed_at(sent, details)
                 renewed.append(lease)
                 metrics.buffer.inc("owner_lease_renew_total")
             elif code == RenewOutcome.MISSING and self._restore(lease):
-                lease.renewed = sent
+                lease.renewed_at(sent)
                 renewed.append(lease)
             elif code == RenewOutcome.FINISHED and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in

@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .names import NameMemo
+
 if TYPE_CHECKING:
     from .store import LeaseStore
 
@@ -76,37 +78,30 @@ def _labels(labels: Mapping[str, str] | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-_series_names: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+_series_names: NameMemo[tuple[str, tuple[tuple[str, str], ...]]] = NameMemo(
+    lambda key: f"{key[0]}|{_labels(dict(key[1]))}"
+)
 
 
 def _series(name: str, labels: Mapping[str, str]) -> str:
     """``"name|k=v,…"``, built once per name and labels (stage names repeat)."""
-    key = (name, tuple(labels.items()))
-    try:
-        return _series_names[key]
-    except KeyError:
-        series = _series_names[key] = f"{name}|{_labels(labels)}"
-        return series
+    return _series_names((name, tuple(labels.items())))
 
 
 _PROGRESS_UPDATES = _series("owner_progress_update_total", {})
 _TASK_DURATION = _series("owner_task_total_duration_seconds", {})
-_stage_series_names: dict[str, str] = {}
-
-
-def _stage_series(stage: str) -> str:
-    """The ``owner_stage_duration_seconds`` series of ``stage``."""
-    try:
-        return _stage_series_names[stage]
-    except KeyError:
-        series = _stage_series_names[stage] = _series("owner_stage_duration_seconds", {"stage": stage})
-        return series
+_stage_series: NameMemo[str] = NameMemo(lambda stage: _series("owner_stage_duration_seconds", {"stage": stage}))
+"""The ``owner_stage_duration_seconds`` series of a stage."""
 
 
 class MetricsBuffer:
     """The metric deltas of one process, waiting for the next flush."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every pending delta (a forked child's are its parent's, flushed by the parent)."""
         self._lock = threading.Lock()
         self._deltas: dict[str, float] = defaultdict(float)
         # Histograms: per series, the count of each bucket alone (made cumulative by take()),

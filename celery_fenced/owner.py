@@ -4,6 +4,20 @@ The task body writes progress here (no network round trip: :meth:`OwnedLease.pro
 on the hot path); the heartbeat reads it each tick, publishes it with the renewal, and
 marks it lost when the shared state says so. All clocks here are the process's monotonic
 clock: the wall clock never decides anything.
+
+Every change of an attempt's lease is a method of :class:`OwnedLease`, in two halves:
+
+* the body's half (:meth:`~OwnedLease.progress`, the ``deadline()``/``stream()`` block,
+  :meth:`~OwnedLease.finish_body`, the shield) runs in the task's thread. Progress takes no
+  lock: it writes fields only that thread writes, and the heartbeat reads each field once
+  per tick (a torn read costs a tick at most).
+* the heartbeat's half (:meth:`~OwnedLease.report`, :meth:`~OwnedLease.renewed_at`,
+  :meth:`~OwnedLease.mark_lost`, :meth:`~OwnedLease.note_stall`) runs in the heartbeat's
+  thread.
+
+What both halves change, the lease's end (``ended``, ``lost_reason``, ``retrying``) and the
+interrupt's state (``body_done``, ``shield_depth``, ``interrupt_pending``,
+``interrupt_sent``), is changed only under :attr:`OwnedLease.lock`, by the methods below.
 """
 
 from __future__ import annotations
@@ -12,7 +26,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +34,7 @@ from . import metrics
 from .compat import WeakrefSlot
 from .conf import DEFAULTS, TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
+from .names import NameMemo
 from .state import Checkpoint, ProgressReport
 
 __all__ = [
@@ -56,16 +71,9 @@ def set_current_lease(lease: OwnedLease | None) -> None:
     thread_state.lease = lease
 
 
-_stage_names: dict[str, str] = {}
-
-
-def _stage(name: str) -> str:
-    # Stage names repeat: normalise each once per process.
-    try:
-        return _stage_names[name]
-    except KeyError:
-        normal = _stage_names[name] = normalise_stage(name)
-        return normal
+# Stage names repeat: normalise each once per process.
+_stage = NameMemo(normalise_stage)
+_stage_names = _stage.made
 
 
 # Upper bounds of a value's JSON size, so that the usual small details need no encoding at the
@@ -194,6 +202,9 @@ class OwnedLease(WeakrefSlot):
     stage_gap: float = 0.0
     stage_log: list[tuple[str | None, float, float]] = field(default_factory=list, repr=False)
     counted_version: int = 0
+    shield_depth: int = 0
+    interrupt_pending: bool = False
+    interrupt_sent: bool = False
 
     def __post_init__(self) -> None:
         # The local expiry check: renewal + TTL less the safety margin.
@@ -244,7 +255,44 @@ class OwnedLease(WeakrefSlot):
             self.mark_lost(reason)
             raise LeaseLostError(self.task_id, self.token, self.lost_reason or reason)
 
+    def begin_block(self, block: StageDeadline) -> None:
+        """A ``deadline()`` or ``stream()`` block begins: its deadlines replace the stage's."""
+        self.deadline = block
+
+    def end_block(self) -> None:
+        """The block ended: the stage table applies again."""
+        self.deadline = None
+
     # -- the heartbeat's side -------------------------------------------------------------
+
+    def progress_checked(self, in_time: bool) -> int:
+        """Record one progress check; the failed checks in a row (0 after one in time)."""
+        if in_time:
+            self.stall_checks_failed = 0
+            self.stalled_reported = False
+        else:
+            self.stall_checks_failed += 1
+        return self.stall_checks_failed
+
+    def stall_reported(self) -> None:
+        """The stall was reported (logged, told, its ``on_stall`` applied): not again until progress."""
+        self.stalled_reported = True
+
+    def renewed_at(self, sent: float, details: Mapping[str, Any] | None = None) -> None:
+        """A renewal sent at ``sent`` was accepted; it wrote ``details`` (if given)."""
+        self.renewed = sent
+        if details is not None:
+            self.published_details = details
+
+    def announce(self) -> bool:
+        """Flower is told this attempt's stage and details now; False when it knows them already."""
+        details = self.published_details
+        if self.announced and self.stage == self.announced_stage and details is self.announced_details:
+            return False
+        self.announced = True
+        self.announced_stage = self.stage
+        self.announced_details = details
+        return True
 
     def report(self, now: float) -> tuple[ProgressReport, Mapping[str, Any]]:
         """The progress to publish at ``now``, and the details object it carries.
@@ -290,6 +338,88 @@ class OwnedLease(WeakrefSlot):
                 return False
             self.lost_reason = reason
             return True
+
+    # -- the end of the lease (either half, under the lock) -----------------------------------
+
+    def end(self) -> bool:
+        """A result write ended the lease; True if it had not ended before."""
+        with self.lock:
+            if self.ended:
+                return False
+            self.ended = True
+            return True
+
+    def stop_serving(self) -> bool:
+        """The attempt ends its lease itself; True if it was live (neither ended nor lost)."""
+        with self.lock:
+            live = not self.ended and self.lost_reason is None
+            self.ended = True
+            return live
+
+    def refused(self, what: str) -> str:
+        """The end the attempt asked for was refused: the lease is lost; the reason."""
+        with self.lock:
+            self.lost_reason = self.lost_reason or what
+            return self.lost_reason
+
+    def mark_retrying(self) -> None:
+        """The lease was moved to RETRYING before ``retry()`` sends its message."""
+        with self.lock:
+            self.retrying = True
+
+    # -- the interrupt (under the lock) ------------------------------------------------------
+
+    def interrupt(self, deliver: Callable[[OwnedLease], bool]) -> str:
+        """Interrupt the body: ``"done"`` when it finished, ``"held"`` while a shield runs
+        (delivered at its end), else ``deliver(self)`` runs under the lock: ``"sent"``.
+
+        ``deliver`` returns True for an asynchronous exception that the thread raises later:
+        :meth:`finish_body` and :meth:`enter_shield` withdraw it if it has not landed.
+        """
+        with self.lock:
+            if self.body_done:
+                return "done"
+            if self.shield_depth:
+                self.interrupt_pending = True
+                return "held"
+            self.interrupt_sent = deliver(self)
+            return "sent"
+
+    def finish_body(self, withdraw: Callable[[OwnedLease], None]) -> None:
+        """The body returned or raised: no interrupt lands from now on."""
+        with self.lock:
+            self.body_done = True
+            if self.interrupt_sent:
+                self.interrupt_sent = False
+                withdraw(self)
+
+    def enter_shield(self, withdraw: Callable[[OwnedLease], None]) -> None:
+        """A shielded block begins: an interrupt sent and not landed waits for its end."""
+        with self.lock:
+            self.shield_depth += 1
+            if self.interrupt_sent:
+                self.interrupt_sent = False
+                self.interrupt_pending = True
+                withdraw(self)
+
+    def leave_shield(self) -> bool:
+        """A shielded block ends; True when an interrupt held off is due now."""
+        with self.lock:
+            self.shield_depth -= 1
+            due = self.shield_depth == 0 and self.interrupt_pending and not self.body_done
+            if due:
+                self.interrupt_pending = False
+            return due
+
+    def signal_landed(self) -> bool:
+        """The interrupt's signal handler runs (in the task's thread, the lock not taken):
+        True to raise it now, False when the body finished or is shielded (then it waits)."""
+        if self.body_done:
+            return False
+        if self.shield_depth:
+            self.interrupt_pending = True
+            return False
+        return True
 
     def no_progress_deadline(self, now: float) -> tuple[float, float, str]:
         """Return ``(seconds allowed, seconds without progress, what bounds it)`` at ``now``."""

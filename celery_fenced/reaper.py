@@ -17,7 +17,7 @@ from typing import Any
 from celery import Celery, states
 
 from . import events, metrics, signals
-from .apps import first_time
+from .apps import first_time, record_of
 from .calls import PUBLISH_ID_HEADER
 from .compat import outside_any_task
 from .conf import DEFAULTS, check_settings_before_beat, ensure_conf
@@ -228,37 +228,39 @@ def install(app: Celery) -> None:
     check_settings_before_beat(app)
     if not first_time(app, "beat schedule"):
         return
-
-    def add_schedule(**_: Any) -> None:
-        try:
-            interval = ensure_conf(app).reaper_interval
-        except ConfigurationError:
-            # Reported where it can stop the process in one line (worker, beat, CLI); a
-            # client that only sends tasks is not stopped by it.
-            interval = DEFAULTS["fenced_reaper_interval"]
-        app.add_periodic_task(
-            interval,
-            app.signature(REAP_TASK_NAME, options={"expires": max(1.0, interval * 0.9)}),
-            name=SCHEDULE_NAME,
-        )
-
-    def check_at_beat_start(sender: Any = None, **_: Any) -> None:
-        beat_app: Any = getattr(sender, "app", None)
-        if beat_app is not app:
-            return
-        if SCHEDULE_NAME in (app.conf.beat_schedule or {}):
-            return
-        logger.warning(
-            "beat_schedule has no %r entry (a later beat_schedule assignment replaced it): "
-            "adding it back; add it to your schedule by hand to silence this warning",
-            SCHEDULE_NAME,
-        )
-        add_schedule()
-
     if app.configured:
-        add_schedule()
+        _add_schedule(app)
     else:
-        app.on_after_configure.connect(add_schedule, weak=False)
+        app.on_after_configure.connect(lambda **_: _add_schedule(app), weak=False)
     from celery.signals import beat_init
 
-    beat_init.connect(check_at_beat_start, weak=False, dispatch_uid=f"celery_fenced.beat_init.{id(app)}")
+    beat_init.connect(_check_at_beat_start, weak=False, dispatch_uid="celery_fenced.beat_init")
+
+
+def _add_schedule(app: Celery) -> None:
+    try:
+        interval = ensure_conf(app).reaper_interval
+    except ConfigurationError:
+        # Reported where it can stop the process in one line (worker, beat, CLI); a
+        # client that only sends tasks is not stopped by it.
+        interval = DEFAULTS["fenced_reaper_interval"]
+    app.add_periodic_task(
+        interval,
+        app.signature(REAP_TASK_NAME, options={"expires": max(1.0, interval * 0.9)}),
+        name=SCHEDULE_NAME,
+    )
+
+
+def _check_at_beat_start(sender: Any = None, **_: Any) -> None:
+    """Beat starts: put the reaper back on the schedule of an installed app that lost it."""
+    app: Any = getattr(sender, "app", None)
+    if app is None or "beat schedule" not in record_of(app).done:
+        return
+    if SCHEDULE_NAME in (app.conf.beat_schedule or {}):
+        return
+    logger.warning(
+        "beat_schedule has no %r entry (a later beat_schedule assignment replaced it): "
+        "adding it back; add it to your schedule by hand to silence this warning",
+        SCHEDULE_NAME,
+    )
+    _add_schedule(app)

@@ -11,6 +11,9 @@
 The lease is taken before the body runs (so the STARTED write already carries the token),
 renewed by the process's heartbeat while the body reports progress within its stage's
 deadline, and ended by the fenced result write. Eager calls run without a lease.
+
+Importing this module loads none of the worker side: an attempt exists only in a worker,
+where the lease's life (:mod:`celery_fenced.worker.lifecycle`) is loaded already.
 """
 
 from __future__ import annotations
@@ -23,17 +26,14 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
 
 from . import metrics
 from .conf import ensure_conf, normalise_stage, positive_seconds
-from .exceptions import LeaseLostError, StaleOwnerError
 from .owner import OwnedLease, StageDeadline, check_details, thread_state
+from .running import attempt_of
 from .state import Checkpoint, LeaseState
 from .store import is_fenced
-from .worker import lifecycle
-from .worker.attempt import attempt_of
-from .worker.hooks import connect_worker_hooks
+from .wiring import connect_worker_hooks
 
 __all__ = ["ProgressLeasedTask", "StageBlock"]
 
@@ -80,7 +80,7 @@ class StageBlock:
         self.block.started = time.monotonic()
         if self._lease is not None:
             self._lease.progress(self.stage)
-            self._lease.deadline = self.block
+            self._lease.begin_block(self.block)
         return self
 
     def chunk(self) -> None:
@@ -108,7 +108,7 @@ class StageBlock:
         tb: TracebackType | None,
     ) -> None:
         if self._lease is not None:
-            self._lease.deadline = None
+            self._lease.end_block()
             if exc_type is None:
                 self._lease.progress()
 
@@ -250,55 +250,29 @@ class ProgressLeasedTask(Task):
     # -- the body ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        request = self.request
-        attempt = attempt_of(request)
+        attempt = attempt_of(self.request)
         if attempt is None:  # eager or direct call: no lease
             return super().__call__(*args, **kwargs)
-        if attempt.error is not None:
-            raise attempt.error
-        if attempt.skip == "unavailable":
-            lifecycle.send_again(self, request)
-            raise Ignore()
-        if attempt.skip:
-            raise Ignore()
-        lease = attempt.lease
+        from .worker import lifecycle
+
+        return lifecycle.run_body(self, attempt, super().__call__, args, kwargs)
+
+    def shield(self) -> contextlib.AbstractContextManager[None]:
+        """A block the lease-lost interrupt must not cut: it waits for the block's end.
+
+        Use it around a write that must not stop half-way (a transaction's commit, a file
+        rename). The lease can still be lost inside: ``progress()`` raises
+        :class:`~celery_fenced.exceptions.LeaseLostError` as anywhere, a fenced write of a
+        lost owner is still refused, and once the block ends the interrupt
+        (:class:`~celery_fenced.exceptions.LeaseInterrupted`) is raised. Keep it short: the
+        process stays held while it runs. Outside a worker (eager calls) it does nothing.
+        """
+        lease = self._owned()
         if lease is None:
-            return super().__call__(*args, **kwargs)
-        try:
-            try:
-                # The worker's tracer has pushed this task and its request already; Task.__call__
-                # would push a copy of the request around the body for nothing.
-                retval = self.run(*args, **kwargs)
-            finally:
-                # An interrupt that lands while this runs is handled below like one in the body.
-                lifecycle.body_finished(lease)
-        except Reject as exc:
-            attempt.reject_requeue = bool(exc.requeue)
-            if not exc.requeue and lease.lost_reason is None and not lease.ended:
-                lifecycle.store_rejection(self, request, exc)
-            raise
-        except Exception as exc:
-            if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and lifecycle.still_owner(self, lease):
-                # One of the body's own fenced writes met a newer token of another task: the
-                # task still owns its lease, so this is its error, stored as its FAILURE.
-                raise
-            if lease.lost_reason is not None or isinstance(exc, LeaseLostError):
-                # The lease is gone (or may be): a lost owner stores nothing, not even
-                # its error; the new owner, or the reaper's re-send, finishes the task.
-                raise Ignore() from exc
-            raise
-        if lease.lost_reason is None:
-            with contextlib.suppress(LeaseLostError):
-                lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
-        if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
-            # Celery sends callbacks and the next chain step *before* it stores the result,
-            # so the store's fence alone cannot stop a zombie's chain: check now.
-            lifecycle.still_owner(self, lease)
-        if lease.lost_reason is not None and not lifecycle.store_late_result(self, attempt, request, retval):
-            # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
-            # event that would show the task on the zombie's worker again.
-            raise Ignore()
-        return retval
+            return contextlib.nullcontext()
+        from .worker.interrupt import shielded
+
+        return shielded(lease)
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's ``on_replace()``: the lease passes to the replacement before it is sent.
@@ -309,6 +283,8 @@ class ProgressLeasedTask(Task):
         request = self.request
         attempt = attempt_of(request)
         if attempt is not None and attempt.lease is not None and not request.is_eager:
+            from .worker import lifecycle
+
             lifecycle.hand_off(self, attempt.lease)
         return super().on_replace(sig)
 
@@ -341,6 +317,8 @@ class ProgressLeasedTask(Task):
         lease = attempt.lease if attempt is not None else None
         limit = self.max_retries if max_retries is None else max_retries
         if lease is not None and not request.called_directly and (limit is None or request.retries + 1 <= limit):
+            from .worker import lifecycle
+
             lifecycle.retry_due(self, lease, delay)
         return super().retry(
             args=args,

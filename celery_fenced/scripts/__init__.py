@@ -12,6 +12,7 @@ thread's own (:class:`ThreadConnections`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import threading
@@ -91,18 +92,6 @@ def script_source(name: str) -> str:
     return f"{used}\n{body}"
 
 
-# Bumped in a forked child: a connection a thread made before the fork is the parent's.
-_generation = 0
-
-
-def _forked() -> None:
-    global _generation
-    _generation += 1
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
 class ThreadConnections:
     """Each thread's own connection to a client's Redis, for the scripts every task runs.
 
@@ -127,23 +116,25 @@ class ThreadConnections:
     def __init__(self, client: Any) -> None:
         self.pool = client.connection_pool
         self._local = threading.local()
-        # id(connection) -> (its thread, the fork generation, the connection). Changed only
-        # by single dict operations, which need no lock (a lock held by another thread at a
-        # fork would stay held in the child).
+        # serial number -> (its thread, the process that made it, the connection). Changed
+        # only by single dict operations, which need no lock (a lock held by another thread
+        # at a fork would stay held in the child).
         self._made: dict[int, tuple[weakref.ref[threading.Thread], int, Any]] = {}
+        self._serials = itertools.count()
         weakref.finalize(self, _close_all, self._made)
 
     def connection(self) -> Any:
         """This thread's connection (made on first use, and again in a forked child)."""
         local = self._local
-        if getattr(local, "generation", None) != _generation:
-            self._close_orphans()
+        pid = os.getpid()
+        if getattr(local, "pid", None) != pid:  # a connection made before a fork is the parent's
+            self._close_orphans(pid)
             # Made as the pool makes its own, but kept out of its count: the pool never sees it
             # back (a pool with ``max_connections`` would run out).
             connection = self.pool.connection_class(**self.pool.connection_kwargs)
-            self._made[id(connection)] = (weakref.ref(threading.current_thread()), _generation, connection)
+            self._made[next(self._serials)] = (weakref.ref(threading.current_thread()), pid, connection)
             local.connection = connection
-            local.generation = _generation
+            local.pid = pid
         return local.connection
 
     def execute(self, *args: Any) -> Any:
@@ -158,11 +149,11 @@ class ThreadConnections:
         """Close every thread's connection; a thread's next call connects again."""
         _close_all(self._made)
 
-    def _close_orphans(self) -> None:
+    def _close_orphans(self, pid: int) -> None:
         """Close the connections of threads that ended, and those a forked child inherited."""
-        for key, (thread, generation, connection) in list(self._made.items()):
+        for key, (thread, made_by, connection) in list(self._made.items()):
             owner = thread()
-            if generation != _generation or owner is None or not owner.is_alive():
+            if made_by != pid or owner is None or not owner.is_alive():
                 self._made.pop(key, None)
                 _disconnect(connection)
 

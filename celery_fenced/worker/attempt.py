@@ -1,11 +1,12 @@
 """What the worker knows of one running delivery of a fenced task: :class:`Attempt`.
 
 Celery hands one request object through a task's prerun, body, result writes and postrun;
-the attempt rides on it, and this module alone puts it there and reads it
-(:func:`begin`, :func:`attempt_of`). The result backend sees an attempt only as a writer: its
-token, its owner id, whether its writes go nowhere, and :meth:`Attempt.result_written`, through
-which it reports each write's outcome. What that outcome means for the owner (the lease ended,
-or lost to a newer token) is decided here.
+the attempt rides on it (:func:`begin` puts it there, :func:`~celery_fenced.running.attempt_of`
+reads it). The result backend sees an attempt only as a writer
+(:class:`~celery_fenced.running.RunningAttempt`): its token, its owner id, whether its writes
+go nowhere. It reports each write's outcome to :func:`after_write`, the worker's write hook;
+what that outcome means for the owner (the lease ended, or lost to a newer token) is decided
+here.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 from celery import states
 
 from .. import events, metrics
-from ..state import StoreOutcome, StoreResult
+from ..reaper import request_reap
+from ..running import attempt_of, put_attempt
+from ..state import StoreOutcome
+from ..writes import WriteReport, log_write
 
 if TYPE_CHECKING:
     from ..owner import OwnedLease
     from ..store import LeaseStore
 
-__all__ = ["FALSE_TAKEOVER_FACTOR", "Attempt", "attempt_of", "begin"]
+__all__ = ["FALSE_TAKEOVER_FACTOR", "Attempt", "after_write", "attempt_of", "begin"]
 
 logger = logging.getLogger(__name__)
-
-#: The request attribute the attempt rides on (set and read only in this module).
-_ATTRIBUTE = "fenced_attempt"
 
 #: A taken-over owner whose SUCCESS comes within this many times its stage's deadline after
 #: its last progress counts as a false takeover; one that needed longer was stuck, not slow.
@@ -83,31 +84,24 @@ class Attempt:
         """The stage the body last reported, for the log."""
         return self.lease.stage if self.lease is not None else None
 
-    def overtaken_by_its_retry(self, state: str, outcome: StoreResult) -> bool:
-        """A RETRY write refused because the retry message it sent already acquired the task
-        (``retry()`` moved the lease to RETRYING first): no loss, the retry is the owner now."""
-        retrying = self.lease is not None and self.lease.retrying
-        return retrying and state == states.RETRY and outcome.code == StoreOutcome.STALE
-
-    def result_written(self, store: LeaseStore, app: Any, state: str, outcome: StoreResult) -> None:
+    def result_written(self, store: LeaseStore, app: Any, report: WriteReport) -> None:
         """The backend wrote (or refused) one of this attempt's results: end or lose its lease.
 
         A stored READY or RETRY ends the lease (its activity is counted; a SUCCESS also its
         duration). A write refused for a newer token loses it: the loss is final, an early
         SUCCESS is counted as a false takeover, and Flower is sent ``task-fenced``.
         """
+        outcome = report.outcome
         self.write = outcome.code
         lease = self.lease
         if lease is None:
             return
         if outcome.code == StoreOutcome.STORED:
-            if outcome.detail in ("DONE", "RETRYING") and not lease.ended:
-                lease.ended = True
-                duration = time.monotonic() - lease.started if state == states.SUCCESS else None
+            if outcome.detail in ("DONE", "RETRYING") and lease.end():
+                duration = time.monotonic() - lease.started if report.state == states.SUCCESS else None
                 lease.count_activity(ended=True, duration=duration)
-        elif outcome.code == StoreOutcome.STALE and not self.overtaken_by_its_retry(state, outcome):
-            current = int(outcome.detail) if outcome.detail.isdigit() else None
-            self._fenced(store, app, state, current)
+        elif outcome.code == StoreOutcome.STALE and not report.overtaken_by_its_retry:
+            self._fenced(store, app, report.state, report.current_token)
 
     def _fenced(self, store: LeaseStore, app: Any, state: str, current: int | None) -> None:
         lease = self.lease
@@ -132,12 +126,21 @@ class Attempt:
 def begin(request: Any, lease: OwnedLease | None = None) -> Attempt:
     """Start the attempt of ``request`` (at ``task_prerun``, or for a write made on its behalf)."""
     attempt = Attempt(lease=lease)
-    setattr(request, _ATTRIBUTE, attempt)
+    put_attempt(request, attempt)
     return attempt
 
 
-def attempt_of(request: Any) -> Attempt | None:
-    """The attempt riding on ``request``; ``None`` for a request no fenced attempt began
-    (eager calls, writes from the worker's main process)."""
-    attempt: Attempt | None = getattr(request, _ATTRIBUTE, None)
-    return attempt
+def after_write(app: Any, report: WriteReport) -> None:
+    """The worker's write hook: log and count a refused write, ask for a reap after a lapse,
+    and tell the writing attempt what became of its write."""
+    log_write(app, report)
+    code = report.outcome.code
+    writer = report.writer
+    if code == StoreOutcome.STALE and not report.overtaken_by_its_retry:
+        metrics.buffer.inc("owner_fencing_rejected_total")
+        if writer is None:
+            metrics.buffer.flush(app.backend.lease_store)  # an owner's count is flushed with its loss
+    elif code == StoreOutcome.LAPSED:
+        request_reap(app)
+    if isinstance(writer, Attempt):
+        writer.result_written(app.backend.lease_store, app, report)

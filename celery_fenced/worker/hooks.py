@@ -1,9 +1,10 @@
-"""Worker wiring: acquire before the body, release after it, the bootstep and the heartbeat.
+"""The worker side of Celery's signals and bootsteps: acquire before the body, release after
+it, check the worker at start, run its main-process threads, stop them at shutdown.
 
-:func:`connect_worker_hooks` runs when a ``ProgressLeasedTask`` is bound to an app (never
-as a side effect of importing the package). It connects Celery signal receivers, filtered
-to fenced tasks, adds a worker bootstep that refuses what cannot work (gevent/eventlet
-pools, another result backend, bad settings) and registers ``celery_fenced.reap``.
+:func:`celery_fenced.wiring.connect_worker_hooks` connects these when a ``ProgressLeasedTask``
+is bound to an app; its receivers load this module only when a fenced task runs in a worker,
+and Celery loads the bootsteps by name when a worker starts. The bootstep refuses what cannot
+work (gevent/eventlet pools, another result backend, bad settings).
 
 * ``task_prerun`` takes the lease, before Celery's STARTED write, so that write already
   carries the token. A duplicate or finished delivery is marked to be skipped.
@@ -18,22 +19,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Celery, bootsteps, signals
+from celery import Celery, bootsteps
 from redis.exceptions import RedisError, ResponseError
 
 from .. import events
 from ..apps import first_time
-from ..calls import tag_publish
 from ..compat import active_apps, maintain_pool, pool_processes, registered_tasks
 from ..conf import ensure_conf, exit_in_one_line
 from ..exceptions import ConfigurationError
-from ..reaper import REAP_TASK_NAME, register_reaper_task
+from ..reaper import REAP_TASK_NAME
 from ..store import is_fenced, lease_store_of
 from .attempt import begin
 from .interrupt import install_interrupt_handler, set_pool_kind
-from .lifecycle import acquire, release, stop_heartbeats
-from .reaper_thread import ReaperThread
-from .reservations import ReservationWriter, writer_of
+from .lifecycle import acquire, release
+from .runtime import reservation_writer_of, runtime_of, stop_runtimes
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
@@ -41,8 +40,12 @@ __all__ = [
     "FencedWorkerStep",
     "ReconnectWatch",
     "check_worker",
-    "connect_worker_hooks",
     "lease_redis_reachable",
+    "on_process_shutdown",
+    "on_task_postrun",
+    "on_task_prerun",
+    "on_task_received",
+    "on_worker_process_init",
     "pool_kind_of",
     "quiet_reaper_runs",
     "warn_if_redis_can_evict",
@@ -51,29 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_POOLS = ("gevent", "eventlet")
-
-_eviction_checked: set[Celery] = set()
-
-
-# -- connecting -------------------------------------------------------------------------------
-
-
-def connect_worker_hooks(app: Celery) -> None:
-    """Connect the receivers and the bootstep for ``app`` (idempotent)."""
-    if not first_time(app, "worker hooks"):
-        return
-    signals.before_task_publish.connect(tag_publish, weak=False, dispatch_uid="celery_fenced.publish")
-    signals.task_received.connect(_on_task_received, weak=False, dispatch_uid="celery_fenced.received")
-    signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
-    signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
-    signals.worker_process_init.connect(_on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init")
-    signals.worker_process_shutdown.connect(
-        _on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
-    )
-    app.steps["worker"].add(FencedWorkerStep)
-    app.steps["consumer"].add(ChildExitWatch)
-    app.steps["consumer"].add(ReconnectWatch)
-    register_reaper_task(app)
 
 
 def _is_fenced(task: Any) -> bool:
@@ -147,8 +127,6 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         # Set before the pool forks, so prefork children inherit both.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
         quiet_reaper_runs()
-        self.reaper: ReaperThread | None = None
-        self.reservations: ReservationWriter | None = None
 
     def start(self, parent: Any) -> None:
         set_pool_kind(pool_kind_of(parent.pool_cls))
@@ -157,19 +135,12 @@ class FencedWorkerStep(bootsteps.StartStopStep):
             return
         if lease_redis_reachable(app):
             warn_if_redis_can_evict(app)
-        self.reaper = ReaperThread(app)
-        self.reaper.start()
-        self.reservations = ReservationWriter(
-            app, parent.hostname, on_dropped=self.reaper.wake, hub=getattr(parent, "hub", None)
-        )
-        self.reservations.start()
+        runtime = runtime_of(app)
+        assert runtime is not None
+        runtime.start_main_process_threads(parent.hostname, hub=getattr(parent, "hub", None))
 
     def stop(self, parent: Any) -> None:
-        if self.reservations is not None:
-            self.reservations.stop()
-        if self.reaper is not None:
-            self.reaper.stop()
-        stop_heartbeats()
+        stop_runtimes()
 
 
 def lease_redis_reachable(app: Celery) -> bool:
@@ -233,7 +204,7 @@ class ReconnectWatch(bootsteps.StartStopStep):
         self.connected_before = False
 
     def start(self, parent: Any) -> None:
-        writer = writer_of(parent.app)
+        writer = reservation_writer_of(parent.app)
         if self.connected_before and writer is not None:
             writer.dropped()
         self.connected_before = True
@@ -273,9 +244,8 @@ def _maintain_if_a_child_exited(pool: Any) -> None:
 
 def warn_if_redis_can_evict(app: Celery) -> None:
     """Warn once per app if the lease Redis may evict keys: an evicted lease is a false takeover."""
-    if app in _eviction_checked:
+    if not first_time(app, "eviction check"):
         return
-    _eviction_checked.add(app)
     try:
         policy = app.backend.client.config_get("maxmemory-policy").get("maxmemory-policy")
     except (RedisError, ResponseError, AttributeError):
@@ -291,21 +261,17 @@ def warn_if_redis_can_evict(app: Celery) -> None:
 # -- signal receivers ---------------------------------------------------------------------------
 
 
-def _on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
-    task = getattr(request, "task", None)
-    if task is None or not _is_fenced(task):
-        return
-    writer = writer_of(task.app)
+def on_task_received(request: Any) -> None:
+    """A fenced task's message arrived: the reservation writer reserves it."""
+    task = request.task
+    writer = reservation_writer_of(task.app)
     if writer is not None:
         writer.received(request)
 
 
-def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, **_: Any) -> None:
-    if task is None or not _is_fenced(task):
-        return
+def on_task_prerun(task: Any, task_id: Any) -> None:
+    """A fenced task's body is about to run in a worker: take its lease."""
     request = task.request
-    if request.is_eager or request.called_directly:
-        return
     install_interrupt_handler()
     attempt = begin(request)
     try:
@@ -319,16 +285,16 @@ def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, *
         logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)
 
 
-def _on_task_postrun(sender: Any = None, task: Any = None, state: Any = None, **_: Any) -> None:
-    if task is None or not _is_fenced(task):
-        return
+def on_task_postrun(task: Any, state: Any) -> None:
+    """A fenced attempt's body and result writes are done: end a lease no write ended."""
     release(task, task.request, state)
 
 
-def _on_worker_process_init(**_: Any) -> None:
-    # Sent in prefork children (and by the solo pool, whose bootstep then says "solo").
+def on_worker_process_init() -> None:
+    """A pool process starts: prefork children (and the solo pool, whose bootstep then says "solo")."""
     set_pool_kind("prefork", only_if_unset=True)
 
 
-def _on_process_shutdown(**_: Any) -> None:
-    stop_heartbeats()
+def on_process_shutdown() -> None:
+    """A pool process stops: stop its heartbeat."""
+    stop_runtimes()

@@ -1,23 +1,37 @@
-"""Stop the body of an attempt whose lease is lost.
+"""Stop the body of an attempt whose lease is lost: :func:`interrupt`, and what holds it off.
 
-Prefork children get SIGUSR1, which raises :class:`~celery_fenced.exceptions.LeaseLostError`
-in the task thread even out of a blocking call; threads and solo pools get an asynchronous
-exception in the task's thread. Which one applies depends on the pool running this process.
+The interrupt is :class:`~celery_fenced.exceptions.LeaseInterrupted`, a ``BaseException``:
+a body's ``except Exception`` around the call it is stuck in cannot swallow it. It is
+delivered two ways, by the pool that runs this process:
+
+* prefork children get SIGUSR1, whose handler raises it in the task thread even out of a
+  blocking sleep or socket read (billiard's own SIGUSR1 handler, a soft time limit, keeps
+  every SIGUSR1 not sent here);
+* threads and solo pools get an asynchronous exception in the task's thread, raised when
+  that thread next runs Python code (SIGUSR1 would make the main process dump tracebacks).
+
+Whether to deliver is the lease's to decide, under its lock
+(:meth:`~celery_fenced.owner.OwnedLease.interrupt`): a body that finished is left alone, a
+shielded one gets the interrupt when its shield ends, and an asynchronous exception sent but
+not yet raised is withdrawn when the body ends or enters a shield, so it never lands in
+Celery's code after the body, nor inside a shielded block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from ..exceptions import LeaseLostError
+from ..exceptions import LeaseInterrupted
 from ..owner import OwnedLease, thread_state
 
-__all__ = ["install_interrupt_handler", "interrupt", "set_pool_kind"]
+__all__ = ["end_of_body", "install_interrupt_handler", "interrupt", "pool_kind", "set_pool_kind", "shielded"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +48,15 @@ def set_pool_kind(kind: str, *, only_if_unset: bool = False) -> None:
     _pool_kind = kind
 
 
-class _LeaseLostInterrupt(LeaseLostError):
-    """The ``LeaseLostError`` raised asynchronously in a task's thread (threads and solo pools).
+def pool_kind() -> str | None:
+    """The pool recorded for this process (``None`` outside a worker)."""
+    return _pool_kind
 
-    An asynchronous exception is raised as a class and built with no arguments in the
-    thread it interrupts: it takes the task id, token and reason from that thread's lease.
-    """
+
+class _AsyncLeaseInterrupted(LeaseInterrupted):
+    """The interrupt as an asynchronous exception: raised as a class, built with no arguments
+    in the thread it interrupts, so it takes the task id, token and reason from that thread's
+    lease."""
 
     def __init__(self, *args: Any) -> None:
         lease = thread_state.lease if not args else None
@@ -48,17 +65,19 @@ class _LeaseLostInterrupt(LeaseLostError):
         super().__init__(*args)
 
 
+def _interrupted(lease: OwnedLease) -> LeaseInterrupted:
+    return LeaseInterrupted(lease.task_id, lease.token, lease.lost_reason or "lease lost")
+
+
 # The lease whose body the SIGUSR1 under way interrupts (prefork children only).
 _interrupting: OwnedLease | None = None
 _handler_installed = False
 
 
 def install_interrupt_handler() -> None:
-    """Prefork child, main thread: let SIGUSR1 raise ``LeaseLostError`` for an interrupt.
+    """Prefork child, main thread: let SIGUSR1 raise the interrupt that :func:`interrupt` sent.
 
-    Billiard's own SIGUSR1 handler (a soft time limit) is kept for every other SIGUSR1: the
-    new handler raises ``LeaseLostError`` only when :func:`interrupt` sent the signal. It is
-    installed at the first acquire, after billiard installed its own (idempotent).
+    Installed at the first acquire, after billiard installed its own handler (idempotent).
     """
     global _handler_installed
     if _handler_installed or _pool_kind != "prefork" or threading.current_thread() is not threading.main_thread():
@@ -69,35 +88,70 @@ def install_interrupt_handler() -> None:
     def on_sigusr1(signum: int, frame: Any) -> Any:
         global _interrupting
         lease, _interrupting = _interrupting, None
-        if lease is not None:  # ours: a body that finished meanwhile is left alone
-            if not lease.body_done:
-                raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "lease lost")
+        if lease is None:
+            if callable(previous):
+                return previous(signum, frame)
             return None
-        if callable(previous):
-            return previous(signum, frame)
+        if lease.signal_landed():
+            raise _interrupted(lease)
         return None
 
     signal.signal(signal.SIGUSR1, on_sigusr1)
 
 
-def interrupt(lease: OwnedLease) -> None:
-    """Stop the body of a lease that was lost, unless it already finished.
+def _set_async_exc(thread_id: int, exc: Any) -> int:
+    modified: int = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)
+    return modified
 
-    Prefork: SIGUSR1 to this child raises ``LeaseLostError`` in the task thread, even out of
-    a blocking sleep or socket read (see :func:`install_interrupt_handler`). Threads and
-    solo: an asynchronous ``LeaseLostError`` in the task's thread, raised when that thread
-    next runs Python code (SIGUSR1 would make the main process dump tracebacks there).
-    """
+
+def _withdraw(lease: OwnedLease) -> None:
+    """Withdraw an asynchronous interrupt sent to the lease's thread and not yet raised."""
+    _set_async_exc(lease.thread_id, None)
+
+
+def _deliver(lease: OwnedLease) -> bool:
+    """Send the interrupt (the lease's lock is held); True for an asynchronous exception."""
     global _interrupting
-    with lease.lock:
-        if lease.body_done:
-            return
-        if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
-            logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
-            _interrupting = lease
-            os.kill(os.getpid(), signal.SIGUSR1)
-            return
-        logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(lease.thread_id), ctypes.py_object(_LeaseLostInterrupt)
+    if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
+        logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
+        _interrupting = lease
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return False
+    logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
+    modified = _set_async_exc(lease.thread_id, ctypes.py_object(_AsyncLeaseInterrupted))
+    if modified == 1:
+        return True
+    if modified == 0:
+        logger.warning("task %s[%s]: its thread is gone, nothing to interrupt", lease.task_name, lease.task_id)
+    else:  # CPython's documented rule: more than one thread state changed, undo them all
+        _set_async_exc(lease.thread_id, None)
+        logger.error(
+            "task %s[%s]: the interrupt matched %d threads; withdrawn", lease.task_name, lease.task_id, modified
         )
+    return False
+
+
+def interrupt(lease: OwnedLease) -> None:
+    """Stop the body of a lease that was lost, unless it finished; wait for a shielded block."""
+    if lease.interrupt(_deliver) == "held":
+        logger.warning("task %s[%s] is shielded: interrupted when the block ends", lease.task_name, lease.task_id)
+
+
+def end_of_body(lease: OwnedLease) -> None:
+    """The body returned or raised: no interrupt may land from now on (its thread calls this)."""
+    lease.finish_body(_withdraw)
+
+
+@contextlib.contextmanager
+def shielded(lease: OwnedLease) -> Iterator[None]:
+    """Hold off the interrupt while the block runs; raise it at the end of the outermost block.
+
+    The lease may still be lost meanwhile: ``progress()`` inside raises ``LeaseLostError``
+    as anywhere, and the result of a lost owner is still refused.
+    """
+    lease.enter_shield(_withdraw)
+    try:
+        yield
+    finally:
+        if lease.leave_shield():
+            raise _interrupted(lease)

@@ -8,22 +8,24 @@
   events, reaps and interrupts.
 * The body ends it by a result write (see :meth:`~celery_fenced.worker.attempt.Attempt.result_written`),
   or hands it to a replacement (:func:`hand_off`) or a retry (:func:`retry_due`).
+* :func:`run_body` runs the body under the lease, and decides what a lost owner's ending is.
 * :func:`release` ends a lease that no result write ended (ignored results, ``Ignore``,
   ``Reject``, retries with ignored results).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import socket
-import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NoReturn
 
 from celery import Celery
 from celery import states as celery_states
+from celery.exceptions import Ignore, Reject
 from redis.exceptions import RedisError
 
 from .. import events
@@ -31,21 +33,23 @@ from .. import signals as fenced_signals
 from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
 from ..compat import get_actual_ignore_result
 from ..conf import TaskPolicy, ensure_conf
-from ..exceptions import LeaseLostError
+from ..exceptions import LeaseInterrupted, LeaseLostError, StaleOwnerError
 from ..heartbeat import Heartbeat
 from ..owner import OwnedLease, current_lease, set_current_lease
+from ..running import RunningAttempt
 from ..state import LeaseStatus, ReleaseOutcome
 from ..store import lease_store_of
 from .attempt import Attempt, attempt_of
-from .listener import WorkerListener
+from .interrupt import end_of_body
+from .runtime import runtime_of, runtimes
 
 __all__ = [
     "acquire",
-    "body_finished",
     "hand_off",
     "heartbeat_for",
     "release",
     "retry_due",
+    "run_body",
     "send_again",
     "still_owner",
     "stop_heartbeats",
@@ -55,49 +59,81 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# This process's heartbeats, keyed by the app object itself (not its id(), which a later app
-# could reuse). A forked child starts with none: the parent's threads do not run in it.
-_heartbeats: dict[Celery, Heartbeat] = {}
-_heartbeats_lock = threading.Lock()
-
-
-def _forget_heartbeats() -> None:
-    global _heartbeats_lock
-    _heartbeats.clear()
-    _heartbeats_lock = threading.Lock()  # another thread of the parent may have held it
-
-
-os.register_at_fork(after_in_child=_forget_heartbeats)
-
-
 # -- the heartbeat of this process -------------------------------------------------------------
 
 
 def heartbeat_for(app: Celery, create: bool = True) -> Heartbeat | None:
     """This process's heartbeat for ``app`` (created on first use; a forked child makes its own)."""
-    heartbeat = _heartbeats.get(app)
-    if heartbeat is None and create:
-        with _heartbeats_lock:
-            heartbeat = _heartbeats.get(app)
-            if heartbeat is None:
-                heartbeat = _heartbeats[app] = Heartbeat(
-                    store_factory=lambda: app.backend.lease_store,
-                    listener=WorkerListener(app),
-                    default_interval=ensure_conf(app).policy.heartbeat_interval,
-                )
-    return heartbeat
+    runtime = runtime_of(app, create)
+    return runtime.heartbeat(create) if runtime is not None else None
 
 
 def stop_heartbeats() -> None:
     """Stop and join every heartbeat of this process."""
-    for heartbeat in list(_heartbeats.values()):
-        heartbeat.stop()
+    for runtime in runtimes():
+        heartbeat = runtime.heartbeat(create=False)
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
-def body_finished(lease: OwnedLease) -> None:
-    """The body returned or raised: no interrupt may fire from now on."""
-    with lease.lock:
-        lease.body_done = True
+def run_body(task: Any, attempt: RunningAttempt, call_body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run the body of ``task``'s attempt (``ProgressLeasedTask.__call__`` in a worker).
+
+    ``call_body`` is Celery's ``Task.__call__`` (a body that runs without a lease). A lost
+    owner stores nothing (its ending is ``Ignore``), unless nobody took over and its late
+    result can still land through the fence.
+    """
+    assert isinstance(attempt, Attempt)  # the worker side made every attempt of this process
+    request = task.request
+    if attempt.error is not None:
+        raise attempt.error
+    if attempt.skip == "unavailable":
+        send_again(task, request)
+        raise Ignore()
+    if attempt.skip:
+        raise Ignore()
+    lease = attempt.lease
+    if lease is None:
+        return call_body(*args, **kwargs)
+    try:
+        try:
+            # The worker's tracer has pushed this task and its request already; Task.__call__
+            # would push a copy of the request around the body for nothing.
+            retval = task.run(*args, **kwargs)
+        finally:
+            # An interrupt sent and not landed is withdrawn here; one that lands while this
+            # runs is handled below like one in the body.
+            end_of_body(lease)
+    except LeaseInterrupted as exc:
+        # Interrupted: a lost owner stores nothing; the new owner, or the reaper's re-send,
+        # finishes the task.
+        raise Ignore() from exc
+    except Reject as exc:
+        attempt.reject_requeue = bool(exc.requeue)
+        if not exc.requeue and lease.lost_reason is None and not lease.ended:
+            store_rejection(task, request, exc)
+        raise
+    except Exception as exc:
+        if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and still_owner(task, lease):
+            # One of the body's own fenced writes met a newer token of another task: the
+            # task still owns its lease, so this is its error, stored as its FAILURE.
+            raise
+        if lease.lost_reason is not None or isinstance(exc, LeaseLostError):
+            # The lease is gone (or may be): a lost owner stores nothing, not even its error.
+            raise Ignore() from exc
+        raise
+    if lease.lost_reason is None:
+        with contextlib.suppress(LeaseLostError):
+            lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
+    if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
+        # Celery sends callbacks and the next chain step *before* it stores the result,
+        # so the store's fence alone cannot stop a zombie's chain: check now.
+        still_owner(task, lease)
+    if lease.lost_reason is not None and not store_late_result(task, attempt, request, retval):
+        # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
+        # event that would show the task on the zombie's worker again.
+        raise Ignore()
+    return retval
 
 
 def still_owner(task: Any, lease: OwnedLease) -> bool:
@@ -150,19 +186,15 @@ def _stop_serving(task: Any, lease: OwnedLease) -> bool:
     heartbeat = heartbeat_for(task.app, create=False)
     if heartbeat is not None:
         heartbeat.unregister(lease)
-    with lease.lock:
-        if lease.ended or lease.lost_reason is not None:
-            lease.ended = True
-            return False
-        lease.ended = True
+    if not lease.stop_serving():
+        return False
     lease.count_activity(ended=True)
     return True
 
 
 def _lost_on_end(lease: OwnedLease, code: str, what: str) -> NoReturn:
-    with lease.lock:
-        lease.lost_reason = lease.lost_reason or f"{what} refused: {code}"
-    raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason)
+    reason = lease.refused(f"{what} refused: {code}")
+    raise LeaseLostError(lease.task_id, lease.token, reason)
 
 
 def hand_off(task: Any, lease: OwnedLease) -> None:
@@ -205,7 +237,7 @@ def retry_due(task: Any, lease: OwnedLease, delay: float) -> None:
     code = task.backend.retrying(release_once)
     if code != ReleaseOutcome.OK:
         _lost_on_end(lease, code, "retry")
-    lease.retrying = True
+    lease.mark_retrying()
 
 
 def store_rejection(task: Any, request: Any, exc: BaseException) -> None:
@@ -314,7 +346,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         # ignores the old owner's events), even if the attempt ends before a heartbeat tick.
         # A first attempt is announced by its first renewal: an event per task would cost
         # every short task one more broker publish.
-        lease.announced = True
+        lease.announce()
         events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
     fenced_signals.lease_acquired.send(
         sender=task.name,
@@ -329,9 +361,9 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
 def release(task: Any, request: Any, state: str | None) -> None:
     """End a lease that no result write ended."""
     attempt = attempt_of(request)
-    lease = attempt.lease if attempt is not None else None
-    if attempt is None or lease is None or not _stop_serving(task, lease):
+    if not isinstance(attempt, Attempt) or attempt.lease is None or not _stop_serving(task, attempt.lease):
         return
+    lease = attempt.lease
     conf = ensure_conf(task.app)
     backend = task.backend
     due_ms = 0

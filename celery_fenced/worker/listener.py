@@ -21,6 +21,7 @@ from celery.exceptions import TimeLimitExceeded
 from .. import events
 from .. import signals as fenced_signals
 from ..conf import nearest
+from ..names import NAME_MEMO_LIMIT
 from ..owner import OwnedLease
 from ..reaper import request_reap
 from .attempt import begin
@@ -104,12 +105,9 @@ class WorkerListener:
 
     def renewed(self, leases: list[OwnedLease]) -> None:
         for lease in leases:
-            details = lease.published_details
-            if lease.announced and lease.stage == lease.announced_stage and details is lease.announced_details:
+            if not lease.announce():
                 continue
-            lease.announced = True
-            lease.announced_stage = lease.stage
-            lease.announced_details = details
+            details = lease.published_details
             events.send_about(
                 self.app,
                 "task-progress",
@@ -130,6 +128,8 @@ def _log_unknown_stage_once(task_name: str, stage: str, table: Mapping[str, floa
     """Warn once per stage and process about a stage the table does not have (a typo, often)."""
     if stage in _unknown_stages:
         return
+    if len(_unknown_stages) >= NAME_MEMO_LIMIT:
+        _unknown_stages.clear()  # dynamic stage names: warn again, never grow without bound
     _unknown_stages.add(stage)
     hint = nearest(stage, table)
     logger.warning(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..compat import ContextHookRequest
-from .reservations import writer_of
+from .runtime import reservation_writer_of
 
 __all__ = ["FencedRequest"]
 
@@ -25,7 +25,7 @@ class FencedRequest(ContextHookRequest):
     def on_accepted(self, pid: Any, time_accepted: float) -> None:
         """Celery's handler of a process accepting the task; the reservation is no longer held."""
         super().on_accepted(pid, time_accepted)
-        writer = writer_of(self.task.app)
+        writer = reservation_writer_of(self.task.app)
         if writer is not None:
             writer.started(self.id)
 

@@ -42,7 +42,7 @@ from ..state import Reservation
 from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
 
-__all__ = ["GATHER", "LOOK_OVERDUE", "MAX_BATCH", "MAX_HELD", "ReservationWriter", "writer_of"]
+__all__ = ["GATHER", "LOOK_OVERDUE", "MAX_BATCH", "MAX_HELD", "ReservationWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,6 @@ LOOK_OVERDUE = 1.0
 
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
 MAX_HELD = 100_000
-
-_writers: dict[Celery, ReservationWriter] = {}
-
-
-def writer_of(app: Celery) -> ReservationWriter | None:
-    """The reservation writer of this worker's main process for ``app``, once started."""
-    return _writers.get(app)
 
 
 class ReservationWriter:
@@ -168,8 +161,7 @@ class ReservationWriter:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the thread (idempotent) and make this the app's writer."""
-        _writers[self.app] = self
+        """Start the thread (idempotent)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._thread = threading.Thread(target=self._run, name="celery-fenced-reservations", daemon=True)
@@ -185,8 +177,6 @@ class ReservationWriter:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        if _writers.get(self.app) is self:
-            del _writers[self.app]
 
     def dropped(self) -> int:
         """Celery dropped this worker's unstarted requests (a lost connection): make their

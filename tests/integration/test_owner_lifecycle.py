@@ -118,7 +118,38 @@ def test_interrupt_on_loss_stops_the_stalled_body(cluster: Cluster, pool: str) -
     interrupted = wait_until(
         lambda: cluster.record.lrange(f"interrupted:{result.id}", 0, -1), 10, "the zombie to be interrupted"
     )
-    assert interrupted[0] == "LeaseLostError"  # type: ignore[index]
+    assert interrupted[0] == "LeaseInterrupted"  # type: ignore[index]
+    assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_body_that_swallows_every_exception_is_still_freed(cluster: Cluster, pool: str) -> None:
+    app = cluster.app()
+    cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
+    result = app.swallows_errors.delay()
+    assert result.get(timeout=20) == "owner"
+    interrupted = wait_until(
+        lambda: cluster.record.lrange(f"interrupted:{result.id}", 0, -1), 10, "the zombie to be interrupted"
+    )
+    assert interrupted == ["LeaseInterrupted"]
+    assert cluster.record.llen(f"swallowed:{result.id}") == 0  # its `except Exception` never saw it
+    assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_shielded_block_is_not_cut_and_the_interrupt_follows_it(cluster: Cluster, pool: str) -> None:
+    app = cluster.app()
+    worker = cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
+    result = app.shielded_block.delay()
+    assert result.get(timeout=20) == "owner"  # taken over while the first attempt is shielded
+    wait_until(lambda: "is shielded: interrupted when the block ends" in worker.log(), 10, "the held interrupt")
+    assert cluster.record.llen(f"interrupted:{result.id}") == 0
+    cluster.wake(result.id)
+    interrupted = wait_until(
+        lambda: cluster.record.lrange(f"interrupted:{result.id}", 0, -1), 10, "the interrupt after the block"
+    )
+    assert cluster.record.lrange(f"shielded:{result.id}", 0, -1) == ["block finished"]
+    assert interrupted == ["LeaseInterrupted"]
     assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
 
 

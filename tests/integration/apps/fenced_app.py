@@ -17,6 +17,7 @@ from celery import Celery
 
 from celery_fenced import LeaseLostError, ProgressLeasedTask, install
 from celery_fenced.compat import CELERY_VERSION
+from celery_fenced.exceptions import LeaseInterrupted
 from celery_fenced.worker.attempt import attempt_of
 
 app = Celery("fenced_app")
@@ -77,6 +78,11 @@ def note_run(task: Any, **extra: Any) -> None:
     record().rpush(f"runs:{task.request.id}", json.dumps(entry))
 
 
+def interruption(exc: BaseException) -> str:
+    """What stopped a body, as the tests read it: ``"LeaseInterrupted"`` for the interrupt."""
+    return "LeaseInterrupted" if isinstance(exc, LeaseInterrupted) else type(exc).__name__
+
+
 def wait_for_key(key: str, timeout: float) -> bool:
     """Block (without progress) until ``key`` exists: the test decides when a zombie wakes."""
     deadline = time.monotonic() + timeout
@@ -98,7 +104,7 @@ def stuck_downstream(self: Any) -> str:
         except BaseException as exc:
             record().rpush(
                 f"interrupted:{self.request.id}",
-                "LeaseLostError" if isinstance(exc, LeaseLostError) else type(exc).__name__,
+                interruption(exc),
             )
             raise
     return f"owner {self.fencing_token}"
@@ -124,7 +130,7 @@ def zombie_once(self: Any, label: str = "") -> str:
         wait_for_key(f"wake:{self.request.id}", 60)
         try:
             self.progress("persist-result")
-        except LeaseLostError as exc:
+        except (LeaseLostError, LeaseInterrupted) as exc:
             record().rpush(f"lost:{self.request.id}", exc.reason)
         return f"zombie {label}"
     return f"owner {self.fencing_token} {label}"
@@ -142,8 +148,47 @@ def blocked_until_interrupted(self: Any) -> str:
         except BaseException as exc:
             record().rpush(
                 f"interrupted:{self.request.id}",
-                "LeaseLostError" if isinstance(exc, LeaseLostError) else type(exc).__name__,
+                interruption(exc),
             )
+            raise
+        return "not interrupted"
+    return "owner"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def swallows_errors(self: Any) -> str:
+    """The first attempt retries a failing call for ever, swallowing every ``Exception`` of it."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        try:
+            for _ in range(600):
+                try:
+                    time.sleep(0.1)  # a database call, say, that fails now and then
+                except Exception:  # what real bodies do around such a call
+                    record().rpush(f"swallowed:{self.request.id}", 1)
+                    continue
+        except BaseException as exc:
+            record().rpush(f"interrupted:{self.request.id}", interruption(exc))
+            raise
+        return "not interrupted"
+    return "owner"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def shielded_block(self: Any) -> str:
+    """The first attempt is lost inside a shielded block: the interrupt waits for its end."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        try:
+            with self.shield():
+                wait_for_key(f"wake:{self.request.id}", 60)  # the block no interrupt may cut
+                record().rpush(f"shielded:{self.request.id}", "block finished")
+            for _ in range(600):
+                time.sleep(0.1)
+        except BaseException as exc:
+            record().rpush(f"interrupted:{self.request.id}", interruption(exc))
             raise
         return "not interrupted"
     return "owner"
@@ -301,7 +346,7 @@ def endless(self: Any) -> str:
         for _ in range(300):
             self.progress("load-data")
             time.sleep(0.1)
-    except LeaseLostError as exc:
+    except (LeaseLostError, LeaseInterrupted) as exc:
         record().rpush(f"lost:{self.request.id}", exc.reason)
         raise
     return "never"
@@ -344,7 +389,7 @@ def batches(self: Any, total: int, stall_after: int = 0, pause: float = 0.0) -> 
             wait_for_key(f"wake:{self.request.id}", 60)
             try:
                 self.progress("process", done=99)
-            except LeaseLostError as exc:
+            except (LeaseLostError, LeaseInterrupted) as exc:
                 record().rpush(f"lost:{self.request.id}", exc.reason)
             return "zombie"
     return f"{total} batches by {self.fencing_token}"
@@ -374,7 +419,7 @@ def progress_steps(self: Any, steps: int, pause: float) -> str:
         for i in range(steps):
             time.sleep(pause)
             self.progress("load-data", step=i)
-    except LeaseLostError as exc:
+    except (LeaseLostError, LeaseInterrupted) as exc:
         record().rpush(f"lost:{self.request.id}", exc.reason)
         raise
     return f"steps by {self.fencing_token}"
@@ -393,7 +438,7 @@ def soak(self: Any, index: int, stall: bool) -> str:
         self.progress("call-ai")
         time.sleep(0.2)
         self.progress("persist-result")
-    except LeaseLostError as exc:
+    except (LeaseLostError, LeaseInterrupted) as exc:
         record().rpush(f"lost:{self.request.id}", exc.reason)
         raise
     record().rpush(f"completed:{self.request.id}", self.fencing_token)
@@ -415,7 +460,7 @@ def stream_ai(self: Any, url: str, inject: str, first: float, idle: float, total
                 for line in stream.wrap(response.iter_lines()):
                     if line:
                         chunks.append(line)
-    except LeaseLostError as exc:
+    except (LeaseLostError, LeaseInterrupted) as exc:
         record().rpush(f"lost:{self.request.id}", exc.reason)
         raise
     return chunks

@@ -17,6 +17,7 @@ from celery_fenced.owner import OwnedLease
 from celery_fenced.state import StoreOutcome, StoreResult
 from celery_fenced.store import LeaseStore
 from celery_fenced.worker.attempt import Attempt, attempt_of, begin
+from celery_fenced.writes import WriteReport
 
 OWNER = "host/1/a"
 
@@ -44,6 +45,12 @@ def held(store: LeaseStore, task_id: str = "t1") -> OwnedLease:
     return OwnedLease(task_id, "proj.task", OWNER, state.owner_token, state.attempt, state.takeovers, policy)
 
 
+def written(attempt: Attempt, state: str, outcome: StoreResult) -> WriteReport:
+    """The report of a write the attempt made for its own task."""
+    assert attempt.lease is not None
+    return WriteReport(attempt.lease.task_id, state, attempt.lease.token, outcome, attempt)
+
+
 def test_the_attempt_rides_on_its_request_and_nowhere_else() -> None:
     request = Context(id="t1")
     assert attempt_of(request) is None
@@ -64,7 +71,7 @@ def test_a_stored_ready_state_ends_the_lease_and_counts_the_attempt(
     lease = held(store)
     lease.progress("load")
     attempt = Attempt(lease=lease)
-    attempt.result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STORED, "DONE"))
+    attempt.result_written(store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STORED, "DONE")))
     assert attempt.write == "stored" and lease.ended and lease.lost_reason is None
     totals = buffer.take()
     assert totals["owner_progress_update_total|"] == 1
@@ -75,7 +82,7 @@ def test_a_stored_ready_state_ends_the_lease_and_counts_the_attempt(
 def test_a_stored_started_state_leaves_the_lease_running(store: LeaseStore, buffer: MetricsBuffer, app: Celery) -> None:
     lease = held(store)
     attempt = Attempt(lease=lease)
-    attempt.result_written(store, app, "STARTED", StoreResult(StoreOutcome.STORED, "RUNNING"))
+    attempt.result_written(store, app, written(attempt, "STARTED", StoreResult(StoreOutcome.STORED, "RUNNING")))
     assert not lease.ended and buffer.take() == {}
 
 
@@ -87,7 +94,9 @@ def test_a_stale_success_soon_after_a_takeover_loses_the_lease_and_is_a_false_ta
     store.lapse("t1", OWNER, lease.token, mode="release")
     assert store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
     attempt = Attempt(lease=lease)
-    attempt.result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
+    attempt.result_written(
+        store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
+    )
     assert lease.lost_reason == "fenced: a newer token owns the task"
     counted = dict(store.metric_fields())  # flushed with the loss
     assert counted["owner_false_takeover_total|stage=call-ai"] == 1
@@ -100,17 +109,18 @@ def test_a_stale_success_long_after_its_deadline_is_no_false_takeover(
     lease.last_progress = time.monotonic() - 60  # 12 times its 5 s deadline
     store.lapse("t1", OWNER, lease.token, mode="release")
     store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
-    Attempt(lease=lease).result_written(store, app, "SUCCESS", StoreResult(StoreOutcome.STALE, "99"))
+    attempt = Attempt(lease=lease)
+    attempt.result_written(store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, "99")))
     assert lease.lost_reason is not None
     assert not any(field.startswith("owner_false_takeover_total") for field in store.metric_fields())
 
 
 def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: LeaseStore, app: Celery) -> None:
     lease = held(store)
-    lease.retrying = True  # retry() moved the lease to RETRYING before sending the message
+    lease.mark_retrying()  # retry() moved the lease to RETRYING before sending the message
     attempt = Attempt(lease=lease)
     stale = StoreResult(StoreOutcome.STALE, str(lease.token + 1))
-    assert attempt.overtaken_by_its_retry("RETRY", stale)
-    assert not attempt.overtaken_by_its_retry("SUCCESS", stale)
-    attempt.result_written(store, app, "RETRY", stale)
+    assert written(attempt, "RETRY", stale).overtaken_by_its_retry
+    assert not written(attempt, "SUCCESS", stale).overtaken_by_its_retry
+    attempt.result_written(store, app, written(attempt, "RETRY", stale))
     assert lease.lost_reason is None

@@ -1,0 +1,88 @@
+"""Connect an app's fenced tasks to Celery's worker, without loading the worker side.
+
+:func:`connect_worker_hooks` runs when a ``ProgressLeasedTask`` is bound to an app, in every
+process that defines fenced tasks, a web process that only sends them included. It connects
+Celery signal receivers that hand over to :mod:`celery_fenced.worker.hooks` only for a
+fenced task running in a worker, names the worker's bootsteps for Celery to load when a
+worker starts, and registers ``celery_fenced.reap``. So a process that never runs a worker
+never imports the worker side, and never registers its fork handler.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from celery import Celery, signals
+
+from .apps import first_time
+from .calls import tag_publish
+from .reaper import register_reaper_task
+from .running import attempt_of
+
+__all__ = ["WORKER_HOOKS", "connect_worker_hooks"]
+
+#: The module that does the worker's side of each signal.
+WORKER_HOOKS = "celery_fenced.worker.hooks"
+
+_hooks: ModuleType | None = None
+
+
+def _worker_hooks() -> ModuleType:
+    global _hooks
+    if _hooks is None:
+        from .worker import hooks
+
+        _hooks = hooks
+    return _hooks
+
+
+def _is_fenced(task: Any) -> bool:
+    return bool(getattr(task, "fenced_task", False))
+
+
+def connect_worker_hooks(app: Celery) -> None:
+    """Connect the receivers and the bootsteps for ``app`` (idempotent)."""
+    if not first_time(app, "worker hooks"):
+        return
+    signals.before_task_publish.connect(tag_publish, weak=False, dispatch_uid="celery_fenced.publish")
+    signals.task_received.connect(_on_task_received, weak=False, dispatch_uid="celery_fenced.received")
+    signals.task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
+    signals.task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_fenced.postrun")
+    signals.worker_process_init.connect(_on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init")
+    signals.worker_process_shutdown.connect(
+        _on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
+    )
+    # Loaded by name when a worker starts (Celery's blueprints accept "module:Class").
+    app.steps["worker"].add(f"{WORKER_HOOKS}:FencedWorkerStep")
+    app.steps["consumer"].add(f"{WORKER_HOOKS}:ChildExitWatch")
+    app.steps["consumer"].add(f"{WORKER_HOOKS}:ReconnectWatch")
+    register_reaper_task(app)
+
+
+def _on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = getattr(request, "task", None)
+    if task is not None and _is_fenced(task):
+        _worker_hooks().on_task_received(request)
+
+
+def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, **_: Any) -> None:
+    if task is None or not _is_fenced(task):
+        return
+    request = task.request
+    if request.is_eager or request.called_directly:  # no lease outside a worker
+        return
+    _worker_hooks().on_task_prerun(task, task_id)
+
+
+def _on_task_postrun(sender: Any = None, task: Any = None, state: Any = None, **_: Any) -> None:
+    if task is not None and _is_fenced(task) and attempt_of(task.request) is not None:
+        _worker_hooks().on_task_postrun(task, state)
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    _worker_hooks().on_worker_process_init()
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    _worker_hooks().on_process_shutdown()

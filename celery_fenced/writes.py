@@ -1,0 +1,106 @@
+"""What the fenced result backend reports after each write, and who hears it.
+
+The backend only stores: each write's outcome goes, as a :class:`WriteReport`, to the one
+hook of its app (:func:`hook_of`). In a worker the worker side installs its own
+(:func:`~celery_fenced.worker.attempt.after_write`: the owner's lease ends or is lost,
+refusals are counted, a lapse asks for a reap). Elsewhere :func:`log_write` logs a refused
+write and sends ``stale_write_rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import states
+
+from . import signals
+from .apps import record_of
+from .running import RunningAttempt
+from .state import StoreOutcome, StoreResult
+
+__all__ = ["WriteHook", "WriteReport", "hook_of", "log_write", "set_hook"]
+
+logger = logging.getLogger("celery_fenced.backend")
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """One write of the fenced backend and its outcome.
+
+    Attributes:
+        task_id: the task written.
+        state: the Celery state written.
+        token: the token it carried (``None``: a tokenless write).
+        outcome: what ``store.lua`` answered.
+        writer: the attempt that wrote with ``token`` (``None`` for a tokenless write).
+    """
+
+    task_id: str
+    state: str
+    token: int | None
+    outcome: StoreResult
+
+    writer: RunningAttempt | None = None
+
+    @property
+    def current_token(self) -> int | None:
+        """The newer token that refused a stale write."""
+        detail = self.outcome.detail
+        return int(detail) if self.outcome.code == StoreOutcome.STALE and detail.isdigit() else None
+
+    @property
+    def overtaken_by_its_retry(self) -> bool:
+        """A RETRY write refused because the retry message it sent already acquired the task
+        (``retry()`` moved the lease to RETRYING first): no loss, the retry is the owner now."""
+        lease = self.writer.lease if self.writer is not None else None
+        retrying = lease is not None and lease.retrying
+        return retrying and self.state == states.RETRY and self.outcome.code == StoreOutcome.STALE
+
+
+#: What hears each write of an app's backend: ``hook(app, report)``.
+WriteHook = Callable[[Any, WriteReport], None]
+
+
+def log_write(app: Any, report: WriteReport) -> None:
+    """Log a write that was not stored; signal ``stale_write_rejected`` for a stale one."""
+    code = report.outcome.code
+    if code == StoreOutcome.STORED:
+        return
+    task_id, state = report.task_id, report.state
+    if report.overtaken_by_its_retry:
+        # The retry's new owner holds the task now, and its STARTED must not be overwritten.
+        logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, report.outcome.detail)
+        return
+    lease = report.writer.lease if report.writer is not None else None
+    name = lease.task_name if lease is not None else None
+    if code == StoreOutcome.STALE:
+        logger.warning(
+            "stale write dropped: task %s[%s] state=%s stage=%s token=%s current token=%s",
+            name,
+            task_id,
+            state,
+            lease.stage if lease is not None else None,
+            report.token,
+            report.current_token,
+        )
+        signals.stale_write_rejected.send(
+            sender=name, task_id=task_id, token=report.token, current_token=report.current_token, state=state
+        )
+    elif code == StoreOutcome.LAPSED:
+        logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
+    else:
+        logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, report.outcome.detail)
+
+
+def hook_of(app: Any) -> WriteHook:
+    """The hook that hears the writes of ``app``'s backend in this process."""
+    hook: WriteHook | None = record_of(app).write_hook
+    return hook or log_write
+
+
+def set_hook(app: Any, hook: WriteHook) -> None:
+    """Make ``hook`` hear the writes of ``app``'s backend (the worker side installs its own)."""
+    record_of(app).write_hook = hook

@@ -21,6 +21,7 @@ from . import control
 from .compat import UTC
 from .conf import ensure_conf
 from .exceptions import ConfigurationError
+from .lease_fields import is_time, typed
 from .metrics import ClusterCollector, read_false_takeovers, read_gaps
 from .state import CancelOutcome, RedriveOutcome
 from .store import LeaseStore, lease_store_of
@@ -221,30 +222,9 @@ def redrive(ctx: click.Context, task_ids: tuple[str, ...], all_abandoned: bool) 
         ctx.exit(1)
 
 
-#: Lease fields holding a time, in milliseconds since the epoch.
-def _is_time_field(name: str) -> bool:
-    return name.endswith("At")
-
-
-#: Lease fields that hold JSON.
-_JSON_FIELDS = frozenset({"call", "details", "checkpoint"})
-
-
 def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
-    """The lease hash with its values typed: whole numbers as ints; the call, the details and
-    the checkpoint as objects."""
-    fields: dict[str, Any] = {}
-    for name, text in raw.items():
-        value: Any = text
-        if name in _JSON_FIELDS:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                value = text
-        elif text.lstrip("-").isdigit():
-            value = int(text)
-        fields[name] = value
-    return fields
+    """The lease hash with its values typed by its schema (:mod:`celery_fenced.lease_fields`)."""
+    return typed(raw)
 
 
 def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
@@ -254,7 +234,7 @@ def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
     width = max([len(name) for name in names], default=0)
     for name in names:
         value = fields[name]
-        if _is_time_field(name) and isinstance(value, int) and value > 0:
+        if is_time(name) and isinstance(value, int) and value > 0:
             moment = datetime.fromtimestamp(value / 1000, tz=UTC)
             age = (now_ms - value) / 1000
             when = f"{abs(age):.1f}s ago" if age >= 0 else f"in {-age:.1f}s"

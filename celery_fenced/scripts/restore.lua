@@ -32,7 +32,7 @@ local expire_at = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token,
   'leaseTtl', ARGV[3], 'taskName', ARGV[4], 'attempt', ARGV[6], 'takeovers', ARGV[7],
   'maxTakeovers', ARGV[8], 'currentStage', ARGV[9], 'progressVersion', 0, 'heartbeatAt', now,
-  'lastProgressAt', now, 'startedAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now)
+  'lastProgressAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now)
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[1], 'call', ARGV[5])
 end

@@ -1,0 +1,95 @@
+"""The lease hash's schema: every field a script writes or reads, its type and its meaning.
+
+This is the one place the fields are named for Python: :func:`typed` parses a hash's values
+by it (``celery fenced inspect``, :class:`~celery_fenced.state.LeaseState`), and
+``docs/design.rst`` lists it (a test holds the two, and the scripts, against each other).
+Times are milliseconds of the Redis server's clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FIELDS", "LeaseField", "is_time", "typed"]
+
+
+@dataclass(frozen=True)
+class LeaseField:
+    """One field of the lease hash.
+
+    Attributes:
+        name: the field's name in the hash.
+        kind: ``"text"``, ``"int"``, ``"time"`` (ms since the epoch, server clock) or ``"json"``.
+        meaning: what it holds, for the docs.
+    """
+
+    name: str
+    kind: str
+    meaning: str
+
+
+_FIELDS = (
+    LeaseField("status", "text", "RUNNING, STALLED, LAPSED, REQUEUED, RETRYING, RESERVED, DONE or ABANDONED"),
+    LeaseField("ownerId", "text", "the owner: hostname, pid and a per-attempt id"),
+    LeaseField("ownerToken", "int", "the fencing token of the current (or last) owner"),
+    LeaseField("taskName", "text", "the task's registered name"),
+    LeaseField("attempt", "int", "executions of the task id that acquired, 1 for the first"),
+    LeaseField("takeovers", "int", "reaper claims that counted as takeovers"),
+    LeaseField("maxTakeovers", "int", "takeovers allowed before the task is ABANDONED"),
+    LeaseField("leaseTtl", "int", "the lease's length, ms"),
+    LeaseField("leaseExpireAt", "time", "when the lease runs out, or when the reaper looks again"),
+    LeaseField("heartbeatAt", "time", "the last accepted renewal"),
+    LeaseField("currentStage", "text", "the stage the owner last reported"),
+    LeaseField("progressVersion", "int", "progress calls the owner published (grows within a token)"),
+    LeaseField("lastProgressAt", "time", "the owner's last progress, as the server's clock places it"),
+    LeaseField("details", "json", "the latest progress() details the owner published"),
+    LeaseField("checkpoint", "json", "what an earlier owner published, handed to the next one"),
+    LeaseField("call", "json", "the original call (task, args, kwargs, options) the reaper re-sends"),
+    LeaseField("publishId", "text", "the apply_async that sent the running copy (a new one runs again)"),
+    LeaseField("reservedBy", "text", "the worker that received the message, while RESERVED"),
+    LeaseField("reservedAt", "time", "when that worker received it"),
+    LeaseField("stalledAt", "time", "when the owner reported a stall (alert mode, or before a release)"),
+    LeaseField("lapsedAt", "time", "when the lease lapsed (released for a stall, worker lost, redriven)"),
+    LeaseField("lapseReason", "text", "why it lapsed: stalled, worker-lost, gone or redrive"),
+    LeaseField("requeuedAt", "time", "when the reaper last claimed it and re-sent the call"),
+    LeaseField("claimCause", "text", "why the reaper last claimed it (stalled, gone, resend, retry, …)"),
+    LeaseField("resends", "int", "re-sends of a message that still waits, since the last acquire"),
+    LeaseField("abandonCause", "text", "the claim cause that exhausted the takeovers"),
+    LeaseField("restoredAt", "time", "when its owner wrote back a lease that had vanished (Redis restart)"),
+    LeaseField("finishedAt", "time", "when the task ended (DONE or ABANDONED)"),
+    LeaseField("resultState", "text", "the READY state stored with it (a late copy of it is refused)"),
+    LeaseField("successKept", "int", "1: a SUCCESS of an earlier run is kept while the task runs again"),
+    LeaseField("cancelledAt", "time", "when the cancel command ended it"),
+)
+
+#: Every field of the lease hash, by name.
+FIELDS: Mapping[str, LeaseField] = {f.name: f for f in _FIELDS}
+
+
+def typed(raw: Mapping[str, str]) -> dict[str, Any]:
+    """The hash's values typed by the schema: ints and times as ``int``, JSON fields decoded.
+
+    A value that does not parse as its kind, and a field the schema does not know (written
+    by a newer version), is kept as text.
+    """
+    fields: dict[str, Any] = {}
+    for name, text in raw.items():
+        kind = FIELDS[name].kind if name in FIELDS else "text"
+        value: Any = text
+        if kind == "json":
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = text
+        elif kind in ("int", "time") and text.lstrip("-").isdigit():
+            value = int(text)
+        fields[name] = value
+    return fields
+
+
+def is_time(name: str) -> bool:
+    """True for a field holding a time."""
+    return name in FIELDS and FIELDS[name].kind == "time"

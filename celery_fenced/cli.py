@@ -293,8 +293,14 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
     what is sampled (one sample per visit of a stage, the newest ones kept). A stage with
     false takeovers (an old owner that finished soon after it was taken over) is never cut.
     """
-    if floor <= 0 or factor < 1 or not 0 < q <= 1 or min_samples < 1:
-        raise click.BadParameter("--floor must be > 0, --factor >= 1, --quantile in (0, 1], --min-samples >= 1")
+    for wrong, name, rule in (
+        (floor <= 0, "--floor", "above 0"),
+        (factor < 1, "--factor", "1 or more"),
+        (not 0 < q <= 1, "--quantile", "in (0, 1]"),
+        (min_samples < 1, "--min-samples", "1 or more"),
+    ):
+        if wrong:
+            raise click.BadParameter(f"{name} must be {rule}", param_hint=name)
     app = _app(ctx)
     store = _store(app)
     policy = ensure_conf(app).policy

@@ -1,0 +1,89 @@
+"""``celery fenced`` (cli.py) on a real Redis: status, inspect, cancel, redrive, tune, and its errors."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from celery import Celery
+from click.testing import CliRunner, Result
+
+from celery_fenced import reap
+from celery_fenced.cli import fenced
+
+CALL = {"task": "proj.report", "args": [7], "kwargs": {}, "options": {}}
+
+
+def run(app: Celery | None, *args: str) -> Result:
+    return CliRunner().invoke(fenced, list(args), obj=SimpleNamespace(app=app))
+
+
+def running(app: Celery, task_id: str, max_takeovers: int = 3) -> Any:
+    store = app.backend.lease_store
+    return store.acquire(
+        task_id, "host/1/a", ttl_ms=60_000, task_name="proj.report", max_takeovers=max_takeovers, call=CALL
+    ).state
+
+
+def test_status_lists_the_live_leases_and_the_chosen_states(fenced_app: Celery) -> None:
+    running(fenced_app, "s1")
+    owner = running(fenced_app, "s2", max_takeovers=0)
+    fenced_app.backend.lease_store.lapse("s2", "host/1/a", owner.owner_token, mode="release")
+    reap(fenced_app)  # s2 is ABANDONED
+    listed = run(fenced_app, "status")
+    assert listed.exit_code == 0, listed.output
+    assert "s1" in listed.output and "RUNNING" in listed.output and "s2" not in listed.output
+    assert listed.output.rstrip().endswith("1 lease(s)")
+    rows = [
+        json.loads(line) for line in run(fenced_app, "status", "--state", "abandoned", "--json").output.splitlines()
+    ]
+    assert [(row["task_id"], row["status"]) for row in rows] == [("s2", "ABANDONED")]
+
+
+def test_inspect_shows_the_typed_lease_and_says_when_there_is_none(fenced_app: Celery) -> None:
+    owner = running(fenced_app, "i1")
+    shown = run(fenced_app, "inspect", "i1", "--json")
+    assert shown.exit_code == 0, shown.output
+    fields = json.loads(shown.output)
+    assert fields["ownerToken"] == owner.owner_token and fields["call"] == CALL and fields["status"] == "RUNNING"
+    assert "leaseExpireAt" in run(fenced_app, "inspect", "i1").output
+    missing = run(fenced_app, "inspect", "nothing")
+    assert missing.exit_code == 1 and "task nothing has no lease" in missing.output
+
+
+def test_cancel_says_what_happened_to_each_id_and_fails_for_an_unknown_one(fenced_app: Celery) -> None:
+    running(fenced_app, "c1")
+    done = run(fenced_app, "cancel", "c1", "typo")
+    assert done.exit_code == 1
+    assert "c1: cancelled" in done.output and "task typo is unknown" in done.output
+    assert run(fenced_app, "cancel", "c1").output.strip() == "c1: finished"
+    assert run(fenced_app, "cancel", "--force", "queued").output.strip() == "queued: cancelled"
+
+
+def test_redrive_needs_ids_or_all_abandoned(fenced_app: Celery) -> None:
+    assert run(fenced_app, "redrive").exit_code == 2
+    assert run(fenced_app, "redrive", "--all-abandoned").output.strip() == "no abandoned task"
+    owner = running(fenced_app, "r1", max_takeovers=0)
+    fenced_app.backend.lease_store.lapse("r1", "host/1/a", owner.owner_token, mode="release")
+    reap(fenced_app)
+    redriven = run(fenced_app, "redrive", "--all-abandoned")
+    assert redriven.exit_code == 0 and redriven.output.strip() == "r1: redriven"
+    again = run(fenced_app, "redrive", "r1")
+    assert again.exit_code == 1 and "not abandoned" in again.output
+
+
+def test_tune_with_no_samples_says_so_and_refuses_bad_options(fenced_app: Celery) -> None:
+    assert run(fenced_app, "tune").output.strip() == "no stage samples yet: run some tasks first"
+    refused = run(fenced_app, "tune", "--factor", "0.5")
+    assert refused.exit_code == 2 and "--factor must be 1 or more" in refused.output
+    assert "--floor" not in refused.output.split("Error:")[1]
+
+
+def test_without_an_app_or_with_another_backend_it_says_so_in_one_line() -> None:
+    bare = run(None, "status")
+    assert bare.exit_code == 2 and "no Celery app" in bare.output
+    plain = Celery("plain", set_as_current=False, backend="redis://127.0.0.1:1/0")
+    other = run(plain, "status")
+    assert other.exit_code == 1 and "Error:" in other.output and "RedisBackend" in other.output
+    assert "Traceback" not in other.output

@@ -139,6 +139,11 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         conf = ensure_conf(self.app)
         self.keyspace = KeySpace.build(conf.key_prefix, as_text(self.task_keyprefix), _global_keyprefix(self.app))
 
+    def as_uri(self, include_password: bool = False) -> str:
+        """The backend's URL as Celery shows it (the worker's banner), with its ``fenced+``."""
+        uri: str = super().as_uri(include_password)
+        return uri if uri.startswith("fenced+") else f"fenced+{uri}"
+
     @cached_property
     def lease_store(self) -> LeaseStore:
         """The lease store over this backend's Redis client."""

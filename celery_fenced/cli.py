@@ -19,7 +19,7 @@ import click
 
 from . import control
 from .compat import UTC
-from .conf import ensure_conf
+from .conf import ensure_conf, flush_warnings
 from .exceptions import ConfigurationError
 from .lease_fields import is_time, typed
 from .metrics import ClusterCollector, read_false_takeovers, read_gaps
@@ -39,6 +39,7 @@ def _app(ctx: click.Context) -> Any:
         ensure_conf(app)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
+    flush_warnings(configure=True)
     return app
 
 

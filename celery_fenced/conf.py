@@ -34,6 +34,7 @@ __all__ = [
     "ensure_conf",
     "exit_in_one_line",
     "exit_on_bad_settings",
+    "flush_warnings",
     "nearest",
     "normalise_stage",
     "positive_seconds",
@@ -313,12 +314,52 @@ def ensure_conf(app: Celery) -> FencedConfig:
                 continue
             _warned_unknown.add(key)
             hint = nearest(key.lower().removeprefix("celery_"), DEFAULTS)
-            logger.warning(
+            _warn(
                 "unknown setting %s: celery-fenced has no such setting%s",
                 key,
                 f" (did you mean {hint}?)" if hint else "",
             )
     return conf
+
+
+# Warnings made before the process set up its logging (a worker reads its settings while it
+# imports the app, before Celery configures logging): Python would print them bare, with no
+# level. They wait for Celery's ``after_setup_logger``, or for :func:`flush_warnings`.
+_pending: list[tuple[str, tuple[Any, ...]]] = []
+
+
+def _warn(message: str, *args: Any) -> None:
+    if logger.hasHandlers():
+        logger.warning(message, *args)
+        return
+    if not _pending:
+        from celery.signals import after_setup_logger
+
+        after_setup_logger.connect(_flush_after_setup, weak=False, dispatch_uid="celery_fenced.conf.flush")
+    _pending.append((message, args))
+
+
+def _flush_after_setup(**_: Any) -> None:
+    flush_warnings()
+
+
+def flush_warnings(*, configure: bool = False) -> None:
+    """Log the warnings that waited for the process's logging.
+
+    Args:
+        configure: a command with no logging of its own (``celery fenced``): give the
+            ``celery_fenced`` logger a stderr handler first, so each says its level and logger.
+    """
+    if not _pending:
+        return
+    if configure and not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("celery_fenced").addHandler(handler)
+    pending = list(_pending)
+    _pending.clear()
+    for message, args in pending:
+        logger.warning(message, *args)
 
 
 @contextlib.contextmanager

@@ -92,8 +92,12 @@ def encode_details(details: Mapping[str, Any]) -> str:
 def check_details(details: Mapping[str, Any], max_bytes: int = DEFAULTS["fenced_max_detail_bytes"]) -> None:
     """Refuse progress details that cannot be a checkpoint, cheaply (no encoding when small).
 
+    Any JSON value is a detail: str, int, float, bool, None, and lists and dicts of them (the
+    ids of the batches done, say). Scalars are bounded without encoding; a list or a dict is
+    encoded once to check it.
+
     Raises:
-        TypeError: a value that is not str, int, float, bool or None.
+        TypeError: a value JSON cannot hold (bytes, a set, an object, a dict with non-str keys).
         ValueError: a float that JSON cannot hold (NaN, infinity), or details whose JSON is
             larger than ``max_bytes``.
     """
@@ -110,10 +114,10 @@ def check_details(details: Mapping[str, Any], max_bytes: int = DEFAULTS["fenced_
             bound += _FLOAT_BOUND
         elif kind is bool or value is None:
             bound += 5
+        elif kind is list or kind is dict or kind is tuple:
+            bound += _nested_size(key, value, max_bytes)
         else:
-            raise TypeError(
-                f"progress detail {key!r} must be str, int, float, bool or None, got {type(value).__name__}"
-            )
+            raise TypeError(f"progress detail {key!r} must be a JSON value, got {type(value).__name__}")
         bound += len(key) * _CHAR_BOUND + 4
     if bound > max_bytes:
         try:
@@ -125,6 +129,18 @@ def check_details(details: Mapping[str, Any], max_bytes: int = DEFAULTS["fenced_
                 f"progress details are {size} bytes of JSON, more than fenced_max_detail_bytes ({max_bytes}): "
                 "a checkpoint says where to resume (a count, an offset, an id), it does not carry the data"
             )
+
+
+def _nested_size(key: str, value: Any, max_bytes: int) -> int:
+    """The JSON size of a list or dict detail (encoded: its parts are checked on the way)."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+    except ValueError:
+        raise ValueError(f"progress detail {key!r} must be JSON: it holds a NaN or an infinity") from None
+    except TypeError as exc:
+        raise TypeError(f"progress detail {key!r} must be a JSON value: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"progress detail {key!r} nests too deep to be JSON") from None
 
 
 @dataclass

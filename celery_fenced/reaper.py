@@ -251,11 +251,31 @@ def _add_schedule(app: Celery) -> None:
     )
 
 
+class _QuietReapSends(logging.Filter):
+    """Beat's "Sending due task celery_fenced.reap" line, every few seconds, only at DEBUG.
+
+    Beat keeps sending it (the workers' own reaper threads are the fallback for when every
+    pool process is stuck), but a line per tick is noise in beat's INFO log.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not record.args or record.args[0] != SCHEDULE_NAME:
+            return True
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_QUIET_SENDS = _QuietReapSends()
+
+
 def _check_at_beat_start(sender: Any = None, **_: Any) -> None:
-    """Beat starts: put the reaper back on the schedule of an installed app that lost it."""
+    """Beat starts: quiet its reap lines; put the reaper back on the schedule of an installed
+    app that lost it."""
     app: Any = getattr(sender, "app", None)
     if app is None or "beat schedule" not in record_of(app).done:
         return
+    beat_log = logging.getLogger("celery.beat")
+    if _QUIET_SENDS not in beat_log.filters:
+        beat_log.addFilter(_QUIET_SENDS)
     if SCHEDULE_NAME in (app.conf.beat_schedule or {}):
         return
     logger.warning(

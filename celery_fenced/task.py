@@ -167,13 +167,14 @@ class ProgressLeasedTask(Task):
         """Record real progress of the body: sets the stage (when given) and moves its version.
 
         In memory only: the heartbeat publishes it with its next renewal. ``details`` values
-        must be str, int, float, bool or None; the latest details given are published as the
+        must be JSON values (str, int, float, bool, None, and lists and dicts of them), within
+        ``fenced_max_detail_bytes`` in all; the latest details given are published as the
         lease's ``details`` and handed to the next owner as :attr:`checkpoint`.
 
         Raises:
             LeaseLostError: the lease is lost (taken over, fenced, released for stalling,
                 cancelled), or no renewal succeeded within the lease TTL.
-            TypeError: a detail value of another type.
+            TypeError: a detail value JSON cannot hold.
             ValueError: a float JSON cannot hold (NaN, infinity), or details whose JSON is
                 larger than ``fenced_max_detail_bytes``.
         """

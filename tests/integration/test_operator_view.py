@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
 from celery_fenced.harness import free_port
 from celery_fenced.metrics import ClusterCollector
-from tests.integration.conftest import APP, KEYS, Cluster, lease, stored
+from tests.integration.conftest import APP, KEYS, Cluster, lease, rabbitmq_url, stored
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
@@ -113,10 +114,13 @@ def test_a_fenced_url_that_is_not_redis_is_refused(cluster: Cluster, argv: list[
 def test_misspelled_settings_and_stages_are_warned_with_the_nearest_name(cluster: Cluster) -> None:
     cluster.settings = {"fenced_stage_timeout": {"load-data": 5}}
     worker = cluster.worker("w1", concurrency=1)
-    assert "unknown setting fenced_stage_timeout: celery-fenced has no such setting (did you mean " in worker.log()
-    assert "fenced_stage_timeouts?)" in worker.log()
+    [line] = [line for line in worker.log().splitlines() if "unknown setting fenced_stage_timeout:" in line]
+    assert "celery-fenced has no such setting (did you mean fenced_stage_timeouts?)" in line
+    assert "WARNING/" in line, "logged through the worker's logging, with its level"
+    assert ".> results:     fenced+redis://127.0.0.1:" in worker.log(), "the banner names the fenced backend"
     status = cluster.cli("status")
-    assert "did you mean fenced_stage_timeouts?" in status.stderr
+    [line] = [line for line in status.stderr.splitlines() if "unknown setting" in line]
+    assert line.startswith("WARNING celery_fenced.conf: ") and "did you mean fenced_stage_timeouts?" in line
 
 
 def test_a_worker_that_cannot_reach_its_lease_redis_says_so(cluster: Cluster) -> None:
@@ -125,3 +129,15 @@ def test_a_worker_that_cannot_reach_its_lease_redis_says_so(cluster: Cluster) ->
     log = cluster.worker("w1", concurrency=1, environ={"FENCED_TEST_BACKEND_URL": unreachable}).log()
     assert f"the lease Redis redis://127.0.0.1:{port}/1 cannot be reached" in log
     assert log.index("cannot be reached") < log.index(" ready.")
+
+
+def test_beat_sends_the_reaper_every_tick_without_an_info_line_for_each(cluster: Cluster) -> None:
+    if rabbitmq_url():
+        pytest.skip("counts the reap messages in the Redis broker's queue")
+    beat = cluster.beat()  # -l INFO
+    broker = redis.Redis.from_url(cluster.broker_url)
+    wait_until(lambda: broker.llen("celery") >= 3, 15, "three reap messages from beat")  # no worker takes them
+    log = beat.log()
+    assert "beat: Starting" in log
+    assert "celery_fenced.reap" not in log, log
+    broker.close()

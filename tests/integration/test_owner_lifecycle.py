@@ -194,7 +194,7 @@ def test_bad_progress_details_and_unknown_stages(cluster: Cluster) -> None:
     cluster.wake(result.id)
     refused = result.get(timeout=15)
     assert len(refused) == 3, refused
-    assert refused[0].startswith("TypeError: progress detail 'payload' must be str, int, float, bool or None")
+    assert refused[0].startswith("TypeError: progress detail 'payload' must be a JSON value, got object")
     assert refused[1] == "ValueError: progress detail 'ratio' must be a finite number to be JSON, got nan"
     assert refused[2].startswith(
         "ValueError: progress details are 5011 bytes of JSON, more than fenced_max_detail_bytes"

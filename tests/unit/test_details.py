@@ -22,10 +22,25 @@ def test_a_float_json_cannot_hold_is_refused_at_the_call(value: float) -> None:
         lease_with().progress("load", {"ratio": value})
 
 
-@pytest.mark.parametrize("value", [[1], {"a": 1}, b"x", object(), 1j])
-def test_a_value_of_another_type_is_refused_at_the_call(value: object) -> None:
-    with pytest.raises(TypeError, match="progress detail 'v' must be str, int, float, bool or None"):
+@pytest.mark.parametrize("value", [b"x", object(), 1j, {1, 2}, [1, object()], {"a": {"b": b"x"}}])
+def test_a_value_json_cannot_hold_is_refused_at_the_call(value: object) -> None:
+    with pytest.raises(TypeError, match="progress detail 'v' must be a JSON value"):
         lease_with().progress("load", {"v": value})
+
+
+def test_lists_and_dicts_are_details_too() -> None:
+    lease = lease_with()
+    details = {"done_batches": [1, 2, 5], "cursor": {"page": 3, "ids": ["a", "b"]}, "empty": []}
+    lease.progress("load", details)
+    report, _ = lease.report(0.0)
+    assert json.loads(report.details) == details
+    with pytest.raises(ValueError, match="'ratios' must be JSON: it holds a NaN"):
+        lease.progress("load", {"ratios": [0.5, math.nan]})
+
+
+def test_a_nested_detail_counts_toward_the_limit() -> None:
+    with pytest.raises(ValueError, match="more than fenced_max_detail_bytes \\(64\\)"):
+        lease_with(max_bytes=64).progress("load", {"ids": list(range(100))})
 
 
 def test_details_over_the_limit_are_refused_with_their_size_and_the_setting() -> None:

@@ -91,7 +91,7 @@ def test_activity_is_taken_once_and_the_end_closes_the_last_stage(clock: list[fl
     assert lease.take_activity(ended=True) == (0, [("save", 4.0, 4.0)])
 
 
-def test_progress_details_of_another_type_are_refused(clock: list[float]) -> None:
+def test_progress_details_json_cannot_hold_are_refused(clock: list[float]) -> None:
     lease = lease_at(clock[0])
     with pytest.raises(TypeError, match="progress detail 'rows' must be"):
-        lease.progress("LOAD", {"rows": [1, 2]})
+        lease.progress("LOAD", {"rows": {1, 2}})

@@ -1,7 +1,7 @@
-"""``celery -A proj fenced …``: look at leases, act on one task, serve metrics, tune deadlines.
+"""celery -A proj fenced …: look at leases, act on one task, serve metrics, tune deadlines.
 
-Registered as a ``celery.commands`` entry point, so it is a subcommand of Celery's own CLI
-and gets the app from ``-A``.
+Registered as a celery.commands entry point, so it is a subcommand of Celery's own CLI
+and gets the app from -A.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from kombu.utils.url import maybe_sanitize_url
+from redis.exceptions import RedisError
 
 from . import control
 from .compat import UTC
@@ -48,18 +50,31 @@ def _store(app: Any) -> LeaseStore:
         return lease_store_of(app, "celery fenced")
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # Celery could not make the backend from its URL
+        url = maybe_sanitize_url(str(app.conf.result_backend or ""))
+        raise click.ClickException(f"result_backend {url} cannot be used: {exc}") from None
 
 
-@click.group(name="fenced")
+class _OneLineErrors(click.Group):
+    """The fenced group: a lost or refused Redis connection is one Error: line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RedisError as exc:
+            raise click.ClickException(f"the lease Redis cannot be reached: {exc}") from None
+
+
+@click.group(name="fenced", cls=_OneLineErrors)
 @click.pass_context
 def fenced(ctx: click.Context) -> None:
     """Progress-aware leases: status, inspect, cancel, redrive, metrics, tune, flower."""
 
 
-#: The statuses ``status --state`` selects; live ones (RUNNING, STALLED, RESERVED) are listed by default.
-LISTED_STATES = ("RUNNING", "STALLED", "RESERVED", "LAPSED", "REQUEUED", "RETRYING", "ABANDONED")
+#: The statuses status --state selects; live ones (RUNNING, STALLED, RESERVED) are listed by default.
+LISTED_STATES = ("RUNNING", "STALLED", "RESERVED", "LAPSED", "REQUEUED", "RETRYING", "ABANDONED", "DONE")
 
-#: What ``status`` lists without ``--state`` or ``--all``.
+#: What status lists without --state or --all.
 LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
 
 
@@ -72,15 +87,15 @@ LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
     "wanted",
     multiple=True,
     type=click.Choice(LISTED_STATES, case_sensitive=False),
-    help="Only leases in this state (repeat for several); ABANDONED lists the dead letters.",
+    help="Only leases in this state (repeat for several); ABANDONED lists the dead letters, DONE the finished ones.",
 )
 @click.pass_context
 def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...]) -> None:
     """A table of leases: task, owner, token, stage, seconds since progress, seconds left.
 
     By default the live ones (RUNNING, STALLED, and RESERVED: received by the worker named
-    as owner, not started; LEFT is the time until it is sent again); ``--state`` or ``--all``
-    for the others, ABANDONED tasks (the dead letters, for ``redrive``) included.
+    as owner, not started; LEFT is the time until it is sent again); --state or --all
+    for the others, ABANDONED tasks (the dead letters, for redrive) included.
     """
     app = _app(ctx)
     store = _store(app)
@@ -89,6 +104,11 @@ def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted
     rows = [s for s in store.read_many(store.indexed_task_ids(limit)) if s.status in selected]
     if "ABANDONED" in selected:
         rows += control.abandoned(app, limit)
+    if "DONE" in selected:  # finished leases are in no index: a scan finds them
+        listed = {state.task_id for state in rows}
+        rows += [
+            s for s in store.read_many(store.lease_task_ids(limit)) if s.status == "DONE" and s.task_id not in listed
+        ]
     rows = rows[:limit]
     if as_json:
         for state in rows:
@@ -321,7 +341,7 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
             _seconds(s.longest_gap),
             str(s.false_takeovers),
             f"{s.current:g}s",
-            "-" if s.suggested is None or not (s.enough or s.false_takeovers) else f"{s.suggested:g}s",
+            "-" if s.suggested is None or not s.enough else f"{s.suggested:g}s",
             s.note,
         )
         for s in suggestions
@@ -344,12 +364,13 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
                 "(run more tasks, or lower --min-samples)",
                 err=True,
             )
-    chosen = {
-        s.stage: s.suggested
-        for s in suggestions
-        if s.stage and s.suggested is not None and (s.enough or s.false_takeovers)
-    }
-    click.echo(f"fenced_stage_timeouts = {json.dumps(chosen)}")
+    chosen = {s.stage: s.suggested for s in suggestions if s.stage and s.suggested is not None and s.enough}
+    if not chosen:
+        click.echo("no suggestion: no stage has enough samples yet (keep your fenced_stage_timeouts)")
+        return
+    # The whole table, the stages not suggested for kept as they are: pasted, it removes no deadline.
+    table = {**policy.stage_timeouts, **chosen}
+    click.echo(f"fenced_stage_timeouts = {json.dumps(table, sort_keys=True)}")
 
 
 @fenced.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -406,6 +406,20 @@ class LeaseStore:
         """Task ids in the expiry index, soonest due first (live, lapsed and requeued ones)."""
         return self._task_ids(self.client.zrange(self.keys.index, 0, max(0, limit - 1)))
 
+    def lease_task_ids(self, limit: int = 1000) -> list[str]:
+        """Task ids of up to ``limit`` lease hashes, in no order (finished ones included).
+
+        A ``SCAN`` over the keyspace, for the operator's listing of finished leases (the
+        expiry index holds only the ones still due).
+        """
+        pattern = "".join("\\" + char if char in "*?[]\\" else char for char in self.keys.lease("\0"))
+        found: list[str] = []
+        for key in self.client.scan_iter(match=pattern.replace("\0", "*"), count=1000):
+            found.append(self.keys.task_id_of(key))
+            if len(found) >= limit:
+                break
+        return found
+
     def abandoned_task_ids(self, limit: int = 1000) -> list[str]:
         """Task ids of the dead letters (ABANDONED), oldest first.
 

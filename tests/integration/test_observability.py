@@ -98,7 +98,7 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     assert suggested["load-data"] == pytest.approx(2 * gap, abs=0.1)
     few = cluster.cli("tune", "--min-samples", "30")
     assert "warning: stage 'load-data' has 3 sample(s), fewer than 30: no suggestion" in few.stderr
-    assert few.stdout.strip().splitlines()[-1] == "fenced_stage_timeouts = {}"
+    assert few.stdout.strip().splitlines()[-1].startswith("no suggestion: no stage has enough samples yet")
 
 
 def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> None:

@@ -11,6 +11,8 @@ from click.testing import CliRunner, Result
 
 from celery_fenced import reap
 from celery_fenced.cli import fenced
+from celery_fenced.metrics import gap_bucket
+from celery_fenced.state import LeaseStatus
 
 CALL = {"task": "proj.report", "args": [7], "kwargs": {}, "options": {}}
 
@@ -87,3 +89,59 @@ def test_without_an_app_or_with_another_backend_it_says_so_in_one_line() -> None
     other = run(plain, "status")
     assert other.exit_code == 1 and "Error:" in other.output and "RedisBackend" in other.output
     assert "Traceback" not in other.output
+
+
+def test_tune_suggests_only_what_it_has_samples_for_and_keeps_every_other_deadline(fenced_app: Celery) -> None:
+    fenced_app.conf.fenced_stage_timeouts = {"load-data": 5, "persist": 30, "call-ai": 20}
+    store = fenced_app.backend.lease_store
+    store.add_gaps({f"load-data|{gap_bucket(0.5)}": 40, f"call-ai|{gap_bucket(1.0)}": 2}, max_fields=1000)
+    store.add_metrics({"owner_false_takeover_total|stage=call-ai": 1}, max_fields=1000)
+    tuned = run(fenced_app, "tune", "--floor", "0.1", "--factor", "2")
+    assert tuned.exit_code == 0, tuned.output
+    rows = {line.split()[0]: line.split() for line in tuned.stdout.splitlines()[1:] if line[:1].isalpha()}
+    assert rows["call-ai"][6] == "-", "two samples are no evidence for a value"
+    assert rows["load-data"][6] == "1s"
+    assert "warning: stage 'call-ai' has 2 sample(s), fewer than 30: no suggestion" in tuned.stderr
+    table = json.loads(tuned.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    assert table == {"call-ai": 20, "load-data": 1.0, "persist": 30}  # pasted, it removes no deadline
+
+
+def test_tune_with_too_few_samples_prints_no_table(fenced_app: Celery) -> None:
+    fenced_app.backend.lease_store.add_gaps({f"load-data|{gap_bucket(0.5)}": 3}, max_fields=1000)
+    tuned = run(fenced_app, "tune")
+    assert "fenced_stage_timeouts" not in tuned.stdout.replace("keep your fenced_stage_timeouts", "")
+    assert tuned.stdout.strip().splitlines()[-1].startswith("no suggestion: no stage has enough samples yet")
+
+
+def test_status_lists_finished_leases_by_state(fenced_app: Celery) -> None:
+    store = fenced_app.backend.lease_store
+    owner = running(fenced_app, "f1")
+    store.release("f1", "host/1/a", owner.owner_token, status=LeaseStatus.DONE)
+    running(fenced_app, "f2")
+    done = [json.loads(line) for line in run(fenced_app, "status", "--state", "DONE", "--json").output.splitlines()]
+    assert [(row["task_id"], row["status"]) for row in done] == [("f1", "DONE")]
+    every = run(fenced_app, "status", "--all").output
+    assert "f1" in every and "f2" in every and "DONE" in every
+
+
+def test_help_is_plain_text() -> None:
+    shown = CliRunner().invoke(fenced, ["status", "--help"]).output
+    assert "--state" in shown and "``" not in shown
+
+
+def test_a_backend_url_celery_cannot_read_is_one_line() -> None:
+    app = Celery("bad", set_as_current=False, backend="fenced+redis://:secret@127.0.0.1:6391/0/1")
+    failed = run(app, "status")
+    assert failed.exit_code == 1 and "Traceback" not in failed.output
+    [line] = failed.output.splitlines()
+    assert line.startswith("Error: result_backend fenced+redis://:**@127.0.0.1:6391/0/1 cannot be used: ")
+    assert "secret" not in line
+
+
+def test_an_unreachable_lease_redis_is_one_line() -> None:
+    app = Celery("down", set_as_current=False, backend="fenced+redis://127.0.0.1:1/0")
+    for argv in (["status"], ["inspect", "t1"], ["cancel", "t1"]):
+        failed = run(app, *argv)
+        assert failed.exit_code == 1, failed.output
+        [line] = failed.output.splitlines()
+        assert line.startswith("Error: the lease Redis cannot be reached: "), line

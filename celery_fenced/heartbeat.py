@@ -37,7 +37,8 @@ REFUSALS = {
     "not-owner": "taken over: another owner holds the lease",
     "claimed": "claimed by the reaper",
     "lapsed": "given up",
-    "finished": "the task was ended (result stored or cancelled)",
+    "finished": "the task was ended (result stored)",
+    "cancelled": "cancelled (celery fenced cancel)",
     "retrying": "the task is retrying",
     "missing": "the lease is gone from Redis",
 }
@@ -274,7 +275,7 @@ class Heartbeat:
             elif code == RenewOutcome.MISSING and self._restore(lease):
                 lease.renewed_at(sent)
                 renewed.append(lease)
-            elif code == RenewOutcome.FINISHED and lease.body_done:
+            elif code in (RenewOutcome.FINISHED, RenewOutcome.CANCELLED) and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
                 # the write, which is then refused).

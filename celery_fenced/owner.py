@@ -300,6 +300,14 @@ class OwnedLease(WeakrefSlot):
         if details is not None:
             self.published_details = details
 
+    def announce_the_end(self) -> bool:
+        """The attempt ends: True when Flower knows it and not its last stage or details yet."""
+        if not self.announced or (self.stage == self.announced_stage and self.details is self.announced_details):
+            return False
+        self.announced_stage = self.stage
+        self.announced_details = self.details
+        return True
+
     def announce(self) -> bool:
         """Flower is told this attempt's stage and details now; False when it knows them already."""
         details = self.published_details

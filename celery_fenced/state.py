@@ -79,6 +79,7 @@ class RenewOutcome(StrEnum):
     CLAIMED = "claimed"
     LAPSED = "lapsed"
     FINISHED = "finished"
+    CANCELLED = "cancelled"
     RETRYING = "retrying"
     MISSING = "missing"
 

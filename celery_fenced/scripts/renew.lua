@@ -14,12 +14,13 @@
 -- minus the reported age, so the owner's wall clock never matters. Only an accepted renewal
 -- writes stage and details: a stale token never does.
 --
--- A DONE lease answers "finished" to its last owner and after a cancel (which ends a lease
--- with a fresh token), "stale-token" to an owner whose task was taken over and finished by
--- the new one; an ABANDONED lease answers "claimed" whatever the token.
+-- A DONE lease answers "finished" to its last owner, "cancelled" after a cancel (which ends
+-- a lease with a fresh token), "stale-token" to an owner whose task was taken over and
+-- finished by the new one; an ABANDONED lease answers "claimed" whatever the token.
 --
 -- Returns one code per lease: "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED or
---   ABANDONED) | "lapsed" (given up) | "finished" (DONE) | "retrying" | "missing"
+--   ABANDONED) | "lapsed" (given up) | "finished" (DONE) | "cancelled" (DONE by a cancel) |
+--   "retrying" | "missing"
 local now = now_ms()
 local now_arg = int_arg(now)
 local codes = {}
@@ -36,6 +37,8 @@ for i = 2, #KEYS do
     code = 'missing'
   elseif status == 'DONE' and cur[2] ~= token and not cur[5] then
     code = 'stale-token'  -- taken over, and the new owner has finished it since
+  elseif status == 'DONE' and cur[5] then
+    code = 'cancelled'
   elseif status == 'DONE' then
     code = 'finished'
   elseif status == 'ABANDONED' then

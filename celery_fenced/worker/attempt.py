@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..owner import OwnedLease
     from ..store import LeaseStore
 
-__all__ = ["FALSE_TAKEOVER_FACTOR", "Attempt", "after_write", "attempt_of", "begin"]
+__all__ = ["FALSE_TAKEOVER_FACTOR", "Attempt", "after_write", "announce_the_end", "attempt_of", "begin"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class Attempt:
             if outcome.detail in ("DONE", "RETRYING") and lease.end():
                 duration = time.monotonic() - lease.started if report.state == states.SUCCESS else None
                 lease.count_activity(ended=True, duration=duration)
+                announce_the_end(app, lease)
         elif outcome.code == StoreOutcome.STALE and not report.overtaken_by_its_retry:
             self._fenced(store, app, report.state, report.current_token)
 
@@ -121,6 +122,15 @@ class Attempt:
                 metrics.buffer.inc("owner_false_takeover_total", stage=lease.stage or "")
         metrics.buffer.flush(store)
         events.send_about(app, "task-fenced", lease, current_token=current, state=state)
+
+
+def announce_the_end(app: Any, lease: OwnedLease) -> None:
+    """An attempt Flower knows of ends: tell it the last stage and details, if they are news
+    (the task's page then shows where it finished, not where the last renewal saw it)."""
+    if lease.announce_the_end():
+        events.send_about(
+            app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers, details=dict(lease.details)
+        )
 
 
 def begin(request: Any, lease: OwnedLease | None = None) -> Attempt:

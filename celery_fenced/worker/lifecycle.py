@@ -39,7 +39,7 @@ from ..owner import OwnedLease, current_lease, set_current_lease
 from ..running import RunningAttempt
 from ..state import LeaseStatus, ReleaseOutcome
 from ..store import lease_store_of
-from .attempt import Attempt, attempt_of
+from .attempt import Attempt, announce_the_end, attempt_of
 from .interrupt import end_of_body
 from .runtime import runtime_of, runtimes
 
@@ -189,6 +189,7 @@ def _stop_serving(task: Any, lease: OwnedLease) -> bool:
     if not lease.stop_serving():
         return False
     lease.count_activity(ended=True)
+    announce_the_end(task.app, lease)
     return True
 
 

@@ -162,11 +162,35 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
     assert task["token"] == runs[1]["token"] and task["attempt"] == 2
     assert task["stage"] == "load-data"
     assert task["worker"].startswith("w2@"), "the zombie's late event flipped the worker back"
+    first, second = task["attempts"]
+    assert (first["attempt"], first["token"], first["outcome"]) == (1, runs[0]["token"], "write-refused")
+    assert first["worker"].startswith("w1@") and first["ended"] >= first["started"]
+    assert first["reason"] == f"SUCCESS refused: token {runs[0]['token']}, current {runs[1]['token']}"
+    assert (second["attempt"], second["token"], second["outcome"]) == (2, runs[1]["token"], "succeeded")
+    assert second["worker"].startswith("w2@") and second["stage"] == "load-data"
+    page = httpx.get(f"{base}/task/{task_id}", timeout=5).text
+    assert "fenced-attempts" in page and "write-refused" in page and "<th>Outcome</th>" in page
     listing = httpx.get(f"{base}/api/tasks", timeout=5).json()
     assert listing[task_id]["token"] == runs[1]["token"]
     page = httpx.get(f"{base}/tasks", timeout=5).text
     assert "Stage" in page and "Token" in page and "Takeovers" in page
     assert "Traceback" not in flower.log()
+
+
+def test_flower_shows_a_cancelled_task_as_revoked(cluster: Cluster) -> None:
+    _, base = start_flower(cluster)
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.progress_until_told.delay()
+
+    def task() -> dict:  # type: ignore[type-arg]
+        response = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+
+    wait_until(lambda: task().get("token"), 20, "Flower to hear of the running attempt")
+    assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
+    shown = wait_until(lambda: (t := task()).get("state") == "REVOKED" and t, 20, "Flower to show REVOKED")
+    assert shown["attempts"][0]["outcome"] == "cancelled"  # type: ignore[index]
 
 
 def test_flower_shows_the_published_progress_details(cluster: Cluster) -> None:

@@ -130,7 +130,7 @@ def test_a_lease_ended_by_someone_else_while_the_body_runs_is_lost(store: LeaseS
     beat = heartbeat(store, listener, lease)
     store_success(store, lease)  # as a cancel would: the lease ends under a running body
     beat.tick()
-    assert listener.losses == [("t2", "renewal refused: the task was ended (result stored or cancelled)")]
+    assert listener.losses == [("t2", "renewal refused: the task was ended (result stored)")]
     assert lease.lost_reason is not None
 
 

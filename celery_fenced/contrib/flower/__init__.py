@@ -1,16 +1,23 @@
-"""Flower integration: lease fields on task pages and columns, and the token rule.
+"""Flower integration: lease fields, the attempt history, the token rule, states that say what happened.
 
 Flower 2.2 shows only ``celery.events.state.Task._fields``; this module extends that tuple
 (each new field with a class default, else Flower's API answers 500) and wraps the event
 state so that:
 
-* an event carrying a token older than the newest seen for its task is ignored (a zombie
-  can never flip the task's state or worker back);
+* an event carrying a token older than the newest seen for its task never changes the task
+  (a zombie can never flip the task's state or worker back), though it is written into the
+  history of the attempt that sent it;
 * ``task-progress`` updates stage, token, attempt and the published progress details (the
-  checkpoint a takeover resumes from) but keeps the task ``STARTED`` (so
-  Flower's Terminate button stays), and brings a ``STALLED`` or ``TAKEOVER`` task back to
-  ``STARTED`` once its current owner progresses;
-* ``task-stalled`` and ``task-takeover`` show as the states ``STALLED`` and ``TAKEOVER``.
+  checkpoint a takeover resumes from) but keeps the task ``STARTED`` (so Flower's Terminate
+  button stays), and brings a ``STALLED`` or ``TAKEOVER`` task back to ``STARTED`` once its
+  current owner progresses;
+* ``task-stalled`` shows as ``STALLED``, and so does a lease lost while the task waits to be
+  taken over; ``task-takeover`` as ``TAKEOVER`` until the new owner starts;
+* a task cancelled with ``celery fenced cancel`` shows ``REVOKED``; an abandoned one
+  ``FAILURE`` with its ``TaskAbandonedError``;
+* ``attempts`` lists every attempt Flower heard of (:class:`AttemptHistory`): worker, token,
+  started, ended, last stage, outcome and reason, the refused write of a zombie included. Its
+  page shows it as a table; ``/api/task/info`` returns the list.
 
 ``celery fenced flower`` starts Flower with :mod:`.flowerconfig`, which calls
 :func:`install`. Supported Flower versions: 2.2.x.
@@ -18,21 +25,50 @@ state so that:
 
 from __future__ import annotations
 
+import html
 import json
 from typing import Any
 
 from celery import states
 from celery.events.state import State, Task
 
-__all__ = ["LEASE_FIELDS", "TASK_COLUMNS", "ShownDetails", "install"]
+from ...exceptions import TaskAbandonedError
+
+__all__ = ["ATTEMPT_FIELDS", "LEASE_FIELDS", "OUTCOMES", "TASK_COLUMNS", "AttemptHistory", "ShownDetails", "install"]
 
 #: Lease fields added to Flower's task view and API.
-LEASE_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason", "details")
+LEASE_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason", "details", "attempts")
+
+#: What ``task-progress`` updates on the task.
+_PROGRESS_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason")
 
 #: The task list columns ``celery fenced flower`` shows by default.
 TASK_COLUMNS = "name,uuid,state,stage,token,attempt,takeovers,received,runtime,worker"
 
-_RECOVERED_BY_PROGRESS = ("STALLED", "TAKEOVER", "LEASE-LOST")
+#: The fields of one entry of ``attempts``.
+ATTEMPT_FIELDS = ("attempt", "token", "worker", "started", "ended", "stage", "outcome", "reason")
+
+#: The last thing that happened to an attempt.
+OUTCOMES = (
+    "running",
+    "succeeded",
+    "failed",
+    "retried",
+    "stalled",
+    "lease-lost",
+    "write-refused",
+    "cancelled",
+    "abandoned",
+)
+
+_RECOVERED_BY_PROGRESS = ("STALLED", "TAKEOVER")
+_CELERY_ENDINGS = {
+    "task-succeeded": "succeeded",
+    "task-failed": "failed",
+    "task-retried": "retried",
+    "task-revoked": "cancelled",
+}
+_TABLE_MARK = "\u2063celery-fenced-attempts\u2063"  # stands for the table on the task page
 _installed = False
 
 
@@ -43,6 +79,100 @@ class ShownDetails(dict[str, Any]):
         return json.dumps(self, sort_keys=True, ensure_ascii=False)
 
 
+class AttemptHistory(list[dict[str, Any]]):
+    """The attempts of one task, oldest first, as Flower heard of them (nothing is read from Redis).
+
+    Each entry has :data:`ATTEMPT_FIELDS`; ``token`` is ``None`` for an attempt that ended
+    before it sent an event of its own (a short first attempt: Celery's events carry no token).
+    """
+
+    def __str__(self) -> str:
+        return _TABLE_MARK
+
+    def heard(self, event: dict[str, Any]) -> None:
+        """Write what ``event`` says into the attempt it is about."""
+        kind = event.get("type", "")
+        when = event.get("timestamp")
+        worker = event.get("hostname")
+        token = _token_of(event.get("token"))
+        if kind == "task-started":
+            newest = self[-1] if self else None
+            if newest is not None and _open(newest) and newest["outcome"] == "running" and newest["worker"] == worker:
+                newest["started"] = newest["started"] or when  # its own event came first
+            else:
+                self._new(worker, when)
+            return
+        if kind in _CELERY_ENDINGS:
+            entry = self._by_token(token) if token is not None else self._current()
+            entry = entry or self._new(worker, when)
+            entry.update(outcome=_CELERY_ENDINGS[kind], ended=when)
+            if kind == "task-failed":
+                entry["reason"] = event.get("exception")
+            return
+        if token is None or not kind.startswith("task-"):
+            return
+        entry = self._by_token(token) or self._adopt(token, worker) or self._new(worker, when, token)
+        if event.get("attempt"):
+            entry["attempt"] = event["attempt"]
+        if event.get("stage"):
+            entry["stage"] = event["stage"]
+        if kind == "task-progress":
+            if entry["outcome"] == "stalled":
+                entry["outcome"] = "running"
+        elif kind == "task-stalled":
+            entry.update(outcome="stalled", reason=f"no progress within the {event.get('bound') or 'stage'}")
+        elif kind == "task-lease-lost":
+            reason = str(event.get("reason") or "")
+            entry.update(outcome="cancelled" if _is_cancel(reason) else "lease-lost", reason=reason)
+            entry["ended"] = entry["ended"] or when
+        elif kind == "task-takeover":
+            if entry["outcome"] in ("running", "stalled"):
+                entry.update(outcome="lease-lost", reason=f"taken over ({event.get('cause')})")
+            entry["ended"] = entry["ended"] or when
+        elif kind == "task-fenced":
+            written = event.get("state") or "result"
+            current = event.get("current_token")
+            entry.update(outcome="write-refused", reason=f"{written} refused: token {token}, current {current}")
+            entry["ended"] = entry["ended"] or when
+        elif kind == "task-abandoned":
+            entry.update(outcome="abandoned", reason=f"takeovers exhausted ({event.get('cause')})")
+            entry["ended"] = entry["ended"] or when
+
+    def _new(self, worker: str | None, when: Any, token: int | None = None) -> dict[str, Any]:
+        entry = dict.fromkeys(ATTEMPT_FIELDS)
+        entry.update(attempt=len(self) + 1, token=token, worker=worker, started=when, outcome="running")
+        self.append(entry)
+        return entry
+
+    def _by_token(self, token: int | None) -> dict[str, Any] | None:
+        return next((entry for entry in self if token is not None and entry["token"] == token), None)
+
+    def _adopt(self, token: int, worker: str | None) -> dict[str, Any] | None:
+        """The attempt Celery's ``task-started`` began, whose token is heard now."""
+        for entry in reversed(self):
+            if entry["token"] is None and _open(entry) and entry["worker"] == worker:
+                entry["token"] = token
+                return entry
+        return None
+
+    def _current(self) -> dict[str, Any] | None:
+        """The attempt Celery's own events are about: the newest token's (a zombie sends none)."""
+        known = [entry for entry in self if entry["token"] is not None]
+        newest = max(known, key=lambda entry: entry["token"]) if known else None
+        latest = self[-1] if self else None
+        if latest is not None and latest["token"] is None and _open(latest):
+            return latest
+        return newest or latest
+
+
+def _open(entry: dict[str, Any]) -> bool:
+    return entry["ended"] is None
+
+
+def _is_cancel(reason: str) -> bool:
+    return "cancelled" in reason and "celery fenced cancel" in reason
+
+
 def _token_of(value: Any) -> int | None:
     try:
         return int(value)
@@ -50,8 +180,65 @@ def _token_of(value: Any) -> int | None:
         return None
 
 
+def _history_of(task: Task) -> AttemptHistory:
+    history = getattr(task, "attempts", None)
+    if not isinstance(history, AttemptHistory):
+        history = AttemptHistory(history or ())
+        task.attempts = history
+    return history
+
+
+def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
+    """Apply one event to the task it is about, under the token rule."""
+    kind = event.get("type", "")
+    uuid = event.get("uuid")
+    token = _token_of(event.get("token"))
+    task = state.tasks.get(uuid) if uuid else None
+    if kind.startswith("task-") and token is not None and task is not None:
+        newest = _token_of(getattr(task, "token", None))
+        if newest is not None and token < newest:
+            return None  # a stale owner's event: counted by Flower, never applied
+        if kind == "task-progress":
+            for name in _PROGRESS_FIELDS:
+                if event.get(name) not in (None, ""):  # an empty stage means "not yet known"
+                    setattr(task, name, event[name])
+            if isinstance(event.get("details"), dict):
+                task.details = ShownDetails(event["details"])
+            task.token = token
+            if task.state in _RECOVERED_BY_PROGRESS:
+                task.state = states.STARTED
+            return None
+        if kind == "task-lease-lost" and not _is_cancel(str(event.get("reason") or "")):
+            if task.state in (states.STARTED, "STALLED"):
+                task.state = "STALLED"  # it waits to be taken over
+            task.reason = event.get("reason")
+            return None
+        if kind in ("task-takeover", "task-abandoned"):
+            # Sent by the reaper's process: the task's worker stays the one that ran it.
+            worker = task.worker
+            result = original(state, _as_celery_event(event))
+            task.worker = worker
+            return result
+    if kind == "task-progress":
+        event = dict(event, type="task-started")  # first news of the task: it runs
+    return original(state, _as_celery_event(event))
+
+
+def _as_celery_event(event: dict[str, Any]) -> dict[str, Any]:
+    """The Celery event that says what a package event means for the task's state."""
+    kind = event.get("type", "")
+    if kind == "task-lease-lost":
+        if _is_cancel(str(event.get("reason") or "")):
+            return dict(event, type="task-revoked", terminated=False, expired=False, signum=None)
+        return dict(event, type="task-stalled")  # first news of the task: it waits to be taken over
+    if kind == "task-abandoned":
+        error = TaskAbandonedError.of(str(event.get("uuid")))
+        return dict(event, type="task-failed", exception=repr(error), traceback="")
+    return event
+
+
 def install() -> None:
-    """Patch Celery's event state for Flower (idempotent)."""
+    """Patch Celery's event state and Flower's task page (idempotent)."""
     global _installed
     if _installed:
         return
@@ -63,27 +250,12 @@ def install() -> None:
     original = State.event
 
     def event(self: State, event: dict[str, Any]) -> Any:
-        kind = event.get("type", "")
+        result = _apply(original, self, event)
         uuid = event.get("uuid")
-        token = _token_of(event.get("token"))
-        task = self.tasks.get(uuid) if uuid else None
-        if kind.startswith("task-") and token is not None and task is not None:
-            newest = _token_of(getattr(task, "token", None))
-            if newest is not None and token < newest:
-                return None  # a stale owner's event: counted by Flower, never applied
-            if kind == "task-progress":
-                for name in LEASE_FIELDS:
-                    if event.get(name) not in (None, ""):  # an empty stage means "not yet known"
-                        setattr(task, name, event[name])
-                if isinstance(event.get("details"), dict):
-                    task.details = ShownDetails(event["details"])
-                task.token = token
-                if task.state in _RECOVERED_BY_PROGRESS:
-                    task.state = states.STARTED
-                return None
-        if kind == "task-progress":
-            event = dict(event, type="task-started")  # first news of the task: it runs
-        return original(self, event)
+        task = self.tasks.get(uuid) if uuid and str(event.get("type", "")).startswith("task-") else None
+        if task is not None:
+            _history_of(task).heard(event)
+        return result
 
     State.event = event
     try:
@@ -101,3 +273,37 @@ def install() -> None:
         return "Details" if obj == "details" and type is None else humanize(obj, type)
 
     flower_template.humanize = label
+    _show_attempts_as_a_table(flower_tasks.TaskView, humanize)
+
+
+def _show_attempts_as_a_table(view: Any, humanize: Any) -> None:
+    """The task page prints ``attempts`` through its generic field row, escaped: the row's mark
+    is replaced by a table once the page is rendered."""
+    render_string = view.render_string
+
+    def render(self: Any, template_name: str, **kwargs: Any) -> bytes:
+        page: bytes = render_string(self, template_name, **kwargs)
+        task = kwargs.get("task")
+        history = getattr(task, "attempts", None)
+        if template_name == "task.html" and isinstance(history, AttemptHistory):
+            page = page.replace(_TABLE_MARK.encode(), attempts_table(history, humanize).encode())
+        return page
+
+    view.render_string = render
+
+
+def attempts_table(history: AttemptHistory, humanize: Any = None) -> str:
+    """The attempt history as an HTML table (what the task page shows)."""
+
+    def cell(name: str, value: Any) -> str:
+        if value is None:
+            return "<td>-</td>"
+        if name in ("started", "ended") and humanize is not None:
+            value = humanize(value, type="time")
+        return f"<td>{html.escape(str(value))}</td>"
+
+    head = "".join(f"<th>{name.capitalize()}</th>" for name in ATTEMPT_FIELDS)
+    rows = "".join(
+        "<tr>" + "".join(cell(name, entry.get(name)) for name in ATTEMPT_FIELDS) + "</tr>" for entry in history
+    )
+    return f'<table class="table table-sm fenced-attempts"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'

@@ -15,7 +15,7 @@ def test_cancel_fences_the_owner_and_stops_later_deliveries(store: LeaseStore, r
     after = store.read("t1")
     assert after is not None and after.status == "DONE" and after.owner_token > state.owner_token
     assert redis_client.get(store.keys.result("t1")) == f"revoked:{after.owner_token}".encode()
-    assert store.renew_many([renew_req(state)]) == ["finished"]
+    assert store.renew_many([renew_req(state)]) == ["cancelled"]  # the owner learns why
     assert acquire(store, owner="host/2/b").outcome is AcquireOutcome.DONE
     assert store.cancel("t1", lambda token: b"x", expires_ms=0) == "finished"
     assert store.cancel("never-started", lambda token: b"r", expires_ms=0) == "unknown"

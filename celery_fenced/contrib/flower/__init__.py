@@ -34,7 +34,16 @@ from celery.events.state import State, Task
 
 from ...exceptions import TaskAbandonedError
 
-__all__ = ["ATTEMPT_FIELDS", "LEASE_FIELDS", "OUTCOMES", "TASK_COLUMNS", "AttemptHistory", "ShownDetails", "install"]
+__all__ = [
+    "ATTEMPT_FIELDS",
+    "LEASE_FIELDS",
+    "OUTCOMES",
+    "TASK_COLUMNS",
+    "AttemptHistory",
+    "ShownDetails",
+    "attempts_table",
+    "install",
+]
 
 #: Lease fields added to Flower's task view and API.
 LEASE_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason", "details", "attempts")

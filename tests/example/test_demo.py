@@ -22,7 +22,10 @@ def test_the_demo_runs_green_with_an_embedded_redis(tmp_path: Path) -> None:
     output = run_project_python(["-m", "example_project.demo", "--reports", "4"], env, timeout=240)
     assert "reports done:            4/4" in output
     assert "OK: every report stored exactly once" in output
-    assert "stalls detected:         1" in output  # the stream that stopped mid-way
+    assert "stalls detected:         2" in output  # the stream that stopped mid-way, the hung upload
+    assert "stale writes refused:    1" in output  # the upload's zombie woke and returned
+    assert re.search(r"export stored by: +token \d+", output), output
+    assert "gone             a takeover of an owner that died" in output  # each summary word explained
     assert "SIGKILL worker2" in output
     # The killed report resumes after its published batches (4 or more), the report whose stream
     # stopped after all 10 of its batches: no takeover starts its batches again.

@@ -169,7 +169,7 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
     assert (second["attempt"], second["token"], second["outcome"]) == (2, runs[1]["token"], "succeeded")
     assert second["worker"].startswith("w2@") and second["stage"] == "load-data"
     page = httpx.get(f"{base}/task/{task_id}", timeout=5).text
-    assert "fenced-attempts" in page and "write-refused" in page and "<th>Outcome</th>" in page
+    assert "fenced-attempts" in page and "write-refused" in page and ">Outcome</th>" in page
     listing = httpx.get(f"{base}/api/tasks", timeout=5).json()
     assert listing[task_id]["token"] == runs[1]["token"]
     page = httpx.get(f"{base}/tasks", timeout=5).text
@@ -222,7 +222,12 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
     task_id, runs = zombie_scenario(cluster)
     page = f"{base}/task/{task_id}"
     shows_token = re.compile(rf"Token</dt>\s*<dd>\s*{runs[1]['token']}\s*</dd>")
-    wait_until(lambda: shows_token.search(httpx.get(page, timeout=5).text), 20, "the task page to show the new token")
+
+    def the_whole_story() -> bool:
+        text = httpx.get(page, timeout=5).text
+        return bool(shows_token.search(text)) and "write-refused" in text and "succeeded" in text
+
+    wait_until(the_whole_story, 20, "the task page to show the new token and both attempts")
     picture = tmp_path / "flower-task.png"
     subprocess.run(
         [
@@ -236,7 +241,7 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
             "--disable-component-update",
             "--disable-sync",
             f"--user-data-dir={tmp_path / 'profile'}",
-            "--window-size=1280,1700",
+            "--window-size=1280,2000",
             f"--screenshot={picture}",
             page,
         ],

@@ -182,6 +182,6 @@ def test_an_attempt_that_sent_no_event_of_its_own_is_still_listed() -> None:
 def test_the_task_page_shows_the_attempts_as_an_escaped_table() -> None:
     task = state_of(at(0, "task-started", pid=41), at(1, "task-progress", token=1, stage="<b>x</b>", attempt=1))
     table = attempts_table(task.attempts)
-    assert table.startswith('<table class="table table-sm fenced-attempts">')
-    assert "<th>Outcome</th>" in table and "&lt;b&gt;x&lt;/b&gt;" in table and "<b>x" not in table
+    assert table.startswith('<table class="table table-sm fenced-attempts"')
+    assert ">Outcome</th>" in table and "&lt;b&gt;x&lt;/b&gt;" in table and "<b>x" not in table
     assert str(task.attempts) not in table  # the row's mark, replaced on the rendered page

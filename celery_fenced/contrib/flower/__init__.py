@@ -305,14 +305,16 @@ def attempts_table(history: AttemptHistory, humanize: Any = None) -> str:
     """The attempt history as an HTML table (what the task page shows)."""
 
     def cell(name: str, value: Any) -> str:
+        wrap = "" if name in ("started", "ended", "reason") else ' style="white-space: nowrap"'
         if value is None:
             return "<td>-</td>"
         if name in ("started", "ended") and humanize is not None:
             value = humanize(value, type="time")
-        return f"<td>{html.escape(str(value))}</td>"
+        return f"<td{wrap}>{html.escape(str(value))}</td>"
 
-    head = "".join(f"<th>{name.capitalize()}</th>" for name in ATTEMPT_FIELDS)
+    head = "".join(f'<th style="white-space: nowrap">{name.capitalize()}</th>' for name in ATTEMPT_FIELDS)
     rows = "".join(
         "<tr>" + "".join(cell(name, entry.get(name)) for name in ATTEMPT_FIELDS) + "</tr>" for entry in history
     )
-    return f'<table class="table table-sm fenced-attempts"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
+    table = '<table class="table table-sm fenced-attempts">'
+    return f"{table}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"

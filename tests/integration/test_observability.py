@@ -193,6 +193,22 @@ def test_flower_shows_a_cancelled_task_as_revoked(cluster: Cluster) -> None:
     assert shown["attempts"][0]["outcome"] == "cancelled"  # type: ignore[index]
 
 
+def test_flower_shows_the_stage_a_task_ended_in(cluster: Cluster) -> None:
+    _, base = start_flower(cluster)
+    app = cluster.app()
+    cluster.worker("w1")
+    result = app.ends_in_another_stage.delay()
+    assert result.get(timeout=15) == "saved"
+
+    def task() -> dict:  # type: ignore[type-arg]
+        response = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+
+    shown = wait_until(lambda: (t := task()).get("stage") == "persist-result" and t, 15, "the last stage in Flower")
+    assert shown["state"] == "SUCCESS" and shown["details"] == {"rows": 3, "saved": True}  # type: ignore[index]
+    assert [a["outcome"] for a in shown["attempts"]] == ["succeeded"]  # type: ignore[index]
+
+
 def test_flower_shows_the_published_progress_details(cluster: Cluster) -> None:
     flower, base = start_flower(cluster)
     app = cluster.app()

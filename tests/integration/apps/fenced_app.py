@@ -156,6 +156,16 @@ def blocked_until_interrupted(self: Any) -> str:
 
 
 @app.task(bind=True, base=ProgressLeasedTask)
+def ends_in_another_stage(self: Any) -> str:
+    """Renewed in one stage, then ends in the next before another heartbeat tick."""
+    note_run(self)
+    self.progress("load-data", rows=3)
+    time.sleep(1.2)  # two heartbeat ticks: the attempt is announced with its first stage
+    self.progress("persist-result", rows=3, saved=True)
+    return "saved"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
 def swallows_errors(self: Any) -> str:
     """The first attempt retries a failing call for ever, swallowing every ``Exception`` of it."""
     note_run(self)

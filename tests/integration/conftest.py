@@ -161,14 +161,14 @@ class Cluster:
         self.processes.append(proc)
         return proc.wait_ready()
 
-    def beat(self, **settings: Any) -> CeleryProcess:
+    def beat(self, loglevel: str = "INFO", **settings: Any) -> CeleryProcess:
         """Start beat (the reaper's schedule) and wait until it runs."""
         argv = [
             "-A",
             APP,
             "beat",
             "-l",
-            "INFO",
+            loglevel,
             "-s",
             str(self.tmp_path / "beat-schedule"),
             "--max-interval",

@@ -127,7 +127,7 @@ def test_a_worker_that_cannot_reach_its_lease_redis_says_so(cluster: Cluster) ->
     port = free_port()
     unreachable = f"fenced+redis://127.0.0.1:{port}/1"
     log = cluster.worker("w1", concurrency=1, environ={"FENCED_TEST_BACKEND_URL": unreachable}).log()
-    assert f"the lease Redis redis://127.0.0.1:{port}/1 cannot be reached" in log
+    assert f"the lease Redis fenced+redis://127.0.0.1:{port}/1 cannot be reached" in log
     assert log.index("cannot be reached") < log.index(" ready.")
 
 

@@ -26,6 +26,7 @@ from celery.app.task import Context
 from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TaskRevokedError
 
+from .apps import record_of
 from .compat import (
     StoreResultHook,
     call_errbacks,
@@ -40,7 +41,7 @@ from .keys import KeySpace
 from .running import attempt_of
 from .state import StoreResult, as_text
 from .store import LeaseStore
-from .writes import WriteReport, hook_of
+from .writes import WriteReport, log_write
 
 __all__ = [
     "REDIS_SCHEMES",
@@ -138,6 +139,7 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         super().__init__(*args, **kwargs)
         conf = ensure_conf(self.app)
         self.keyspace = KeySpace.build(conf.key_prefix, as_text(self.task_keyprefix), _global_keyprefix(self.app))
+        self._record = record_of(self.app)  # where the app's write hook is kept
 
     def as_uri(self, include_password: bool = False) -> str:
         """The backend's URL as Celery shows it (the worker's banner), with its ``fenced+``."""
@@ -202,7 +204,7 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         outcome: StoreResult = self.retrying(store)
         self._last_write.outcome = (task_id, outcome.code)
         writer = attempt if attempt is not None and token is not None else None
-        hook_of(self.app)(self.app, WriteReport(task_id, state, token, outcome, writer))
+        (self._record.write_hook or log_write)(self, WriteReport(task_id, state, token, outcome, writer))
         return result
 
     @cached_property

@@ -369,8 +369,8 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
         click.echo("no suggestion: no stage has enough samples yet (keep your fenced_stage_timeouts)")
         return
     # The whole table, the stages not suggested for kept as they are: pasted, it removes no deadline.
-    table = {**policy.stage_timeouts, **chosen}
-    click.echo(f"fenced_stage_timeouts = {json.dumps(table, sort_keys=True)}")
+    pasted = {**policy.stage_timeouts, **chosen}
+    click.echo(f"fenced_stage_timeouts = {json.dumps(pasted, sort_keys=True)}")
 
 
 @fenced.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

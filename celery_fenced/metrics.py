@@ -85,7 +85,11 @@ _series_names: NameMemo[tuple[str, tuple[tuple[str, str], ...]]] = NameMemo(
 
 def _series(name: str, labels: Mapping[str, str]) -> str:
     """``"name|k=v,…"``, built once per name and labels (stage names repeat)."""
-    return _series_names((name, tuple(labels.items())))
+    key = (name, tuple(labels.items()))
+    try:
+        return _series_names.made[key]  # the hot path: a name seen before
+    except KeyError:
+        return _series_names(key)
 
 
 _PROGRESS_UPDATES = _series("owner_progress_update_total", {})

@@ -259,7 +259,8 @@ class _QuietReapSends(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO or not record.args or record.args[0] != SCHEDULE_NAME:
+        args = record.args
+        if record.levelno != logging.INFO or not isinstance(args, tuple) or not args or args[0] != SCHEDULE_NAME:
             return True
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 

@@ -22,7 +22,7 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any, ClassVar
 
 from celery import Celery, Task
@@ -36,6 +36,19 @@ from .store import is_fenced
 from .wiring import connect_worker_hooks
 
 __all__ = ["ProgressLeasedTask", "StageBlock"]
+
+_lifecycle_module: ModuleType | None = None
+
+
+def _lifecycle() -> ModuleType:
+    """The worker side's :mod:`~celery_fenced.worker.lifecycle`, imported at the first attempt
+    (an attempt exists only in a worker)."""
+    global _lifecycle_module
+    if _lifecycle_module is None:
+        from .worker import lifecycle
+
+        _lifecycle_module = lifecycle
+    return _lifecycle_module
 
 
 class StageBlock:
@@ -251,12 +264,11 @@ class ProgressLeasedTask(Task):
     # -- the body ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        attempt = attempt_of(self.request)
+        request = self.request
+        attempt = attempt_of(request)
         if attempt is None:  # eager or direct call: no lease
             return super().__call__(*args, **kwargs)
-        from .worker import lifecycle
-
-        return lifecycle.run_body(self, attempt, super().__call__, args, kwargs)
+        return _lifecycle().run_body(self, request, attempt, super().__call__, args, kwargs)
 
     def shield(self) -> contextlib.AbstractContextManager[None]:
         """A block the lease-lost interrupt must not cut: it waits for the block's end.
@@ -284,9 +296,7 @@ class ProgressLeasedTask(Task):
         request = self.request
         attempt = attempt_of(request)
         if attempt is not None and attempt.lease is not None and not request.is_eager:
-            from .worker import lifecycle
-
-            lifecycle.hand_off(self, attempt.lease)
+            _lifecycle().hand_off(self, attempt.lease)
         return super().on_replace(sig)
 
     def retry(
@@ -318,9 +328,7 @@ class ProgressLeasedTask(Task):
         lease = attempt.lease if attempt is not None else None
         limit = self.max_retries if max_retries is None else max_retries
         if lease is not None and not request.called_directly and (limit is None or request.retries + 1 <= limit):
-            from .worker import lifecycle
-
-            lifecycle.retry_due(self, lease, delay)
+            _lifecycle().retry_due(self, lease, delay)
         return super().retry(
             args=args,
             kwargs=kwargs,

@@ -29,16 +29,13 @@ _hooks: ModuleType | None = None
 
 
 def _worker_hooks() -> ModuleType:
+    """:mod:`celery_fenced.worker.hooks`, imported at the first fenced task a worker runs."""
     global _hooks
     if _hooks is None:
         from .worker import hooks
 
         _hooks = hooks
     return _hooks
-
-
-def _is_fenced(task: Any) -> bool:
-    return bool(getattr(task, "fenced_task", False))
 
 
 def connect_worker_hooks(app: Celery) -> None:
@@ -60,24 +57,31 @@ def connect_worker_hooks(app: Celery) -> None:
     register_reaper_task(app)
 
 
+# The receivers below run for every task of the process: the fenced check is inline, and the
+# worker side is reached through the module global once it is loaded.
+
+
 def _on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = getattr(request, "task", None)
-    if task is not None and _is_fenced(task):
-        _worker_hooks().on_task_received(request)
+    if task is not None and getattr(task, "fenced_task", False):
+        (_hooks or _worker_hooks()).on_task_received(request)
 
 
 def _on_task_prerun(sender: Any = None, task_id: Any = None, task: Any = None, **_: Any) -> None:
-    if task is None or not _is_fenced(task):
+    if task is None or not getattr(task, "fenced_task", False):
         return
     request = task.request
     if request.is_eager or request.called_directly:  # no lease outside a worker
         return
-    _worker_hooks().on_task_prerun(task, task_id)
+    (_hooks or _worker_hooks()).on_task_prerun(task, task_id, request)
 
 
 def _on_task_postrun(sender: Any = None, task: Any = None, state: Any = None, **_: Any) -> None:
-    if task is not None and _is_fenced(task) and attempt_of(task.request) is not None:
-        _worker_hooks().on_task_postrun(task, state)
+    if task is None or not getattr(task, "fenced_task", False):
+        return
+    request = task.request
+    if attempt_of(request) is not None:  # none for an eager call: no lease to end
+        (_hooks or _worker_hooks()).on_task_postrun(task, state, request)
 
 
 def _on_worker_process_init(**_: Any) -> None:

@@ -60,11 +60,11 @@ class WriteReport:
         return retrying and self.state == states.RETRY and self.outcome.code == StoreOutcome.STALE
 
 
-#: What hears each write of an app's backend: ``hook(app, report)``.
+#: What hears each write of an app's backend: ``hook(backend, report)``.
 WriteHook = Callable[[Any, WriteReport], None]
 
 
-def log_write(app: Any, report: WriteReport) -> None:
+def log_write(backend: Any, report: WriteReport) -> None:
     """Log a write that was not stored; signal ``stale_write_rejected`` for a stale one."""
     code = report.outcome.code
     if code == StoreOutcome.STORED:

@@ -25,6 +25,7 @@ from ..state import StoreOutcome
 from ..writes import WriteReport, log_write
 
 if TYPE_CHECKING:
+    from ..heartbeat import Heartbeat
     from ..owner import OwnedLease
     from ..store import LeaseStore
 
@@ -51,6 +52,7 @@ class Attempt:
         write: the outcome code of its last result write (``"stored"``, ``"stale"``, …).
         result_stored: its SUCCESS was stored already (the late result of a lost owner), so
             the trace's own write of it is skipped.
+        heartbeat: the process's heartbeat that serves its lease.
     """
 
     lease: OwnedLease | None = None
@@ -60,6 +62,7 @@ class Attempt:
     reject_requeue: bool = False
     write: str | None = None
     result_stored: bool = False
+    heartbeat: Heartbeat | None = None
 
     # -- what the result backend reads ------------------------------------------------------
 
@@ -127,7 +130,7 @@ class Attempt:
 def announce_the_end(app: Any, lease: OwnedLease) -> None:
     """An attempt Flower knows of ends: tell it the last stage and details, if they are news
     (the task's page then shows where it finished, not where the last renewal saw it)."""
-    if lease.announce_the_end():
+    if lease.announced and lease.announce_the_end():  # most attempts were never announced
         events.send_about(
             app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers, details=dict(lease.details)
         )
@@ -140,17 +143,18 @@ def begin(request: Any, lease: OwnedLease | None = None) -> Attempt:
     return attempt
 
 
-def after_write(app: Any, report: WriteReport) -> None:
+def after_write(backend: Any, report: WriteReport) -> None:
     """The worker's write hook: log and count a refused write, ask for a reap after a lapse,
     and tell the writing attempt what became of its write."""
-    log_write(app, report)
     code = report.outcome.code
     writer = report.writer
-    if code == StoreOutcome.STALE and not report.overtaken_by_its_retry:
-        metrics.buffer.inc("owner_fencing_rejected_total")
-        if writer is None:
-            metrics.buffer.flush(app.backend.lease_store)  # an owner's count is flushed with its loss
-    elif code == StoreOutcome.LAPSED:
-        request_reap(app)
+    if code != StoreOutcome.STORED:
+        log_write(backend, report)
+        if code == StoreOutcome.STALE and not report.overtaken_by_its_retry:
+            metrics.buffer.inc("owner_fencing_rejected_total")
+            if writer is None:
+                metrics.buffer.flush(backend.lease_store)  # an owner's count is flushed with its loss
+        elif code == StoreOutcome.LAPSED:
+            request_reap(backend.app)
     if isinstance(writer, Attempt):
-        writer.result_written(app.backend.lease_store, app, report)
+        writer.result_written(backend.lease_store, backend.app, report)

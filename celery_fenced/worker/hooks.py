@@ -269,9 +269,8 @@ def on_task_received(request: Any) -> None:
         writer.received(request)
 
 
-def on_task_prerun(task: Any, task_id: Any) -> None:
-    """A fenced task's body is about to run in a worker: take its lease."""
-    request = task.request
+def on_task_prerun(task: Any, task_id: Any, request: Any) -> None:
+    """A fenced task's body is about to run in a worker (``request`` is its): take its lease."""
     install_interrupt_handler()
     attempt = begin(request)
     try:
@@ -285,9 +284,9 @@ def on_task_prerun(task: Any, task_id: Any) -> None:
         logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)
 
 
-def on_task_postrun(task: Any, state: Any) -> None:
+def on_task_postrun(task: Any, state: Any, request: Any) -> None:
     """A fenced attempt's body and result writes are done: end a lease no write ended."""
-    release(task, task.request, state)
+    release(task, request, state)
 
 
 def on_worker_process_init() -> None:

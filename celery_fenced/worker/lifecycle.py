@@ -76,15 +76,16 @@ def stop_heartbeats() -> None:
             heartbeat.stop()
 
 
-def run_body(task: Any, attempt: RunningAttempt, call_body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """Run the body of ``task``'s attempt (``ProgressLeasedTask.__call__`` in a worker).
+def run_body(
+    task: Any, request: Any, attempt: RunningAttempt, call_body: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """Run the body of ``task``'s attempt of ``request`` (``ProgressLeasedTask.__call__`` in a worker).
 
     ``call_body`` is Celery's ``Task.__call__`` (a body that runs without a lease). A lost
     owner stores nothing (its ending is ``Ignore``), unless nobody took over and its late
     result can still land through the fence.
     """
     assert isinstance(attempt, Attempt)  # the worker side made every attempt of this process
-    request = task.request
     if attempt.error is not None:
         raise attempt.error
     if attempt.skip == "unavailable":
@@ -179,11 +180,15 @@ def store_late_result(task: Any, attempt: Attempt, request: Any, retval: Any) ->
     return False
 
 
-def _stop_serving(task: Any, lease: OwnedLease) -> bool:
-    """The attempt ends its lease itself: no more renewals; False if it already ended or was lost."""
+def _stop_serving(task: Any, lease: OwnedLease, heartbeat: Heartbeat | None = None) -> bool:
+    """The attempt ends its lease itself: no more renewals; False if it already ended or was lost.
+
+    ``heartbeat`` is the one serving it, when the caller knows it (else it is looked up).
+    """
     if current_lease() is lease:
         set_current_lease(None)
-    heartbeat = heartbeat_for(task.app, create=False)
+    if heartbeat is None:
+        heartbeat = heartbeat_for(task.app, create=False)
     if heartbeat is not None:
         heartbeat.unregister(lease)
     if not lease.stop_serving():
@@ -332,6 +337,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None
     heartbeat.register(lease)
+    attempt.heartbeat = heartbeat
     # A takeover is news; a first acquire is every task (Celery already logs it at INFO).
     logger.log(
         logging.INFO if result.previous_status else logging.DEBUG,
@@ -362,7 +368,9 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
 def release(task: Any, request: Any, state: str | None) -> None:
     """End a lease that no result write ended."""
     attempt = attempt_of(request)
-    if not isinstance(attempt, Attempt) or attempt.lease is None or not _stop_serving(task, attempt.lease):
+    if not isinstance(attempt, Attempt) or attempt.lease is None:
+        return
+    if not _stop_serving(task, attempt.lease, attempt.heartbeat):
         return
     lease = attempt.lease
     conf = ensure_conf(task.app)

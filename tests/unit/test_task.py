@@ -58,11 +58,11 @@ def run_in_worker(task: Any, task_id: str, *args: Any) -> Any:
     """Run ``task`` as the worker's tracer does: prerun (the lease), the body, postrun."""
     task.push_request(id=task_id, hostname="w1@host", delivery_info={"is_eager": False}, args=args, kwargs={})
     try:
-        on_task_prerun(task, task_id)
+        on_task_prerun(task, task_id, task.request)
         try:
             return task(*args)
         finally:
-            on_task_postrun(task, "SUCCESS")
+            on_task_postrun(task, "SUCCESS", task.request)
     finally:
         task.pop_request()
 

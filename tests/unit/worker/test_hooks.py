@@ -121,12 +121,12 @@ def test_prerun_takes_the_lease_and_postrun_ends_it(fenced_app: Celery) -> None:
 
     report.push_request(id="h1", hostname="w1@host", delivery_info={"is_eager": False})
     try:
-        hooks.on_task_prerun(report, "h1")
+        hooks.on_task_prerun(report, "h1", report.request)
         attempt = attempt_of(report.request)
         assert attempt is not None and attempt.lease is not None and attempt.lease.token > 0
         store = fenced_app.backend.lease_store
         assert store.read("h1").status == "RUNNING"  # type: ignore[union-attr]
-        hooks.on_task_postrun(report, "SUCCESS")
+        hooks.on_task_postrun(report, "SUCCESS", report.request)
         assert store.read("h1").status == "DONE"  # type: ignore[union-attr]
         heartbeat = heartbeat_for(fenced_app, create=False)
         assert heartbeat is not None and attempt.lease not in heartbeat.leases()
@@ -143,7 +143,7 @@ def test_prerun_of_a_task_whose_options_cannot_work_makes_the_body_raise(fenced_
 
     report.push_request(id="h2", hostname="w1@host", delivery_info={"is_eager": False})
     try:
-        hooks.on_task_prerun(report, "h2")
+        hooks.on_task_prerun(report, "h2", report.request)
         attempt = attempt_of(report.request)
         assert isinstance(attempt.error, ConfigurationError)  # type: ignore[union-attr]
         assert "on_stall" in str(attempt.error)  # type: ignore[union-attr]

@@ -1,10 +1,10 @@
 """What the fenced result backend reports after each write, and who hears it.
 
 The backend only stores: each write's outcome goes, as a :class:`WriteReport`, to the one
-hook of its app (:func:`hook_of`). In a worker the worker side installs its own
-(:func:`~celery_fenced.worker.attempt.after_write`: the owner's lease ends or is lost,
-refusals are counted, a lapse asks for a reap). Elsewhere :func:`log_write` logs a refused
-write and sends ``stale_write_rejected``.
+hook of its app (kept in the app's record, set by :func:`set_hook`). In a worker the worker
+side installs its own (:func:`~celery_fenced.worker.attempt.after_write`: the owner's lease
+ends or is lost, refusals are counted, a lapse asks for a reap). Elsewhere :func:`log_write`
+logs a refused write and sends ``stale_write_rejected``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .apps import record_of
 from .running import RunningAttempt
 from .state import StoreOutcome, StoreResult
 
-__all__ = ["WriteHook", "WriteReport", "hook_of", "log_write", "set_hook"]
+__all__ = ["WriteHook", "WriteReport", "log_write", "set_hook"]
 
 logger = logging.getLogger("celery_fenced.backend")
 
@@ -93,12 +93,6 @@ def log_write(backend: Any, report: WriteReport) -> None:
         logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
     else:
         logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, report.outcome.detail)
-
-
-def hook_of(app: Any) -> WriteHook:
-    """The hook that hears the writes of ``app``'s backend in this process."""
-    hook: WriteHook | None = record_of(app).write_hook
-    return hook or log_write
 
 
 def set_hook(app: Any, hook: WriteHook) -> None:

@@ -14,7 +14,9 @@
 * :mod:`~celery_fenced.worker.reaper_thread`: takeovers from the worker's main process.
 * :mod:`~celery_fenced.worker.request`: the request class whose main-process writes name
   the owner's process.
+* :mod:`~celery_fenced.worker.runtime`: what one worker process runs for one app (the
+  heartbeat, the reaper thread, the reservation writer), and the package's only fork handler.
 
-Nothing here is imported by ``import celery_fenced``: binding a ``ProgressLeasedTask`` to an
-app connects the hooks.
+Nothing outside this package imports it: :mod:`celery_fenced.wiring` loads it when a fenced
+task runs in a worker, and Celery loads its bootsteps by name when a worker starts.
 """

@@ -255,7 +255,12 @@ def test_reap_is_safe_when_run_twice_at_once_and_takes_the_time(cluster: Cluster
 
         def reap_at_once() -> None:
             start.wait(timeout=10)
-            claims.append(reap(app.app).claimed)
+            try:
+                claims.append(reap(app.app).claimed)
+            finally:
+                backend = app.app.backend  # Celery keeps a backend per thread: close this one's
+                backend.lease_store.close()
+                backend.client.close()
 
         reapers = [threading.Thread(target=reap_at_once) for _ in range(2)]
         for reaper in reapers:

@@ -93,8 +93,15 @@ def _in_a_forked_child(check: Callable[[], dict[str, object]]) -> dict[str, obje
     return result
 
 
+class _Unflushed(metrics.MetricsBuffer):
+    """A buffer that a heartbeat thread left by another test cannot empty meanwhile."""
+
+    def flush(self, store: object) -> None:
+        return None
+
+
 def test_a_forked_child_starts_without_its_parents_runtime_and_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(metrics, "buffer", metrics.MetricsBuffer())  # no other test's heartbeat flushes it
+    monkeypatch.setattr(metrics, "buffer", _Unflushed())
     app = Celery("forks", set_as_current=False)
     parent = runtime_of(app)
     assert parent is not None and runtime_of(app) is parent and parent in runtimes()

@@ -44,14 +44,8 @@ class ConfigurationError(FencedError, ImproperlyConfigured):
     """
 
 
-class LeaseLostError(FencedError):
-    """The lease of the running attempt is gone: taken over, fenced, cancelled or stalled.
-
-    Attributes:
-        task_id: the task whose lease was lost.
-        token: the fencing token the lost owner held.
-        reason: a short word saying why (``"taken-over"``, ``"stalled"``, ``"expired"`` …).
-    """
+class _AboutALostLease(BaseException):
+    """What both a lost lease's error and its interrupt carry: the task, the token, why."""
 
     def __init__(self, task_id: str | None = None, token: int | None = None, reason: str = "") -> None:
         # args keep the constructor's arguments, so pickling and Celery's JSON
@@ -60,6 +54,16 @@ class LeaseLostError(FencedError):
         self.task_id = task_id
         self.token = token
         self.reason = reason
+
+
+class LeaseLostError(_AboutALostLease, FencedError):
+    """The lease of the running attempt is gone: taken over, fenced, cancelled or stalled.
+
+    Attributes:
+        task_id: the task whose lease was lost.
+        token: the fencing token the lost owner held.
+        reason: a short word saying why (``"taken-over"``, ``"stalled"``, ``"expired"`` …).
+    """
 
     def __str__(self) -> str:
         return f"lease of task {self.task_id} (token {self.token}) lost: {self.reason}"
@@ -105,7 +109,7 @@ class LeaseScriptError(FencedError):
     """A lease script returned a code this version does not know."""
 
 
-class LeaseInterrupted(BaseException):
+class LeaseInterrupted(_AboutALostLease):
     """Raised into a task body whose lease was lost, out of whatever call it was blocked in.
 
     Sent by signal (prefork) or as an asynchronous exception (threads, solo) when
@@ -120,12 +124,6 @@ class LeaseInterrupted(BaseException):
         token: the fencing token the lost owner held.
         reason: why the lease was lost.
     """
-
-    def __init__(self, task_id: str | None = None, token: int | None = None, reason: str = "") -> None:
-        super().__init__(task_id, token, reason)
-        self.task_id = task_id
-        self.token = token
-        self.reason = reason
 
     def __str__(self) -> str:
         return f"task {self.task_id} (token {self.token}) interrupted: lease lost: {self.reason}"

@@ -175,6 +175,7 @@ class OwnedLease(WeakrefSlot):
         policy: the lease options in force.
         call: the original call recorded at acquire (written again if the lease vanishes).
         thread_id: the thread running the body (for an interrupt).
+        runner: the greenlet running the body on the gevent pool (for an interrupt), else ``None``.
         ended: the attempt ended its lease (a result write, a release, a hand-off).
         retrying: the lease was moved to RETRYING before ``retry()`` sent the retry message.
         details: the latest ``progress()`` details (replaced by each call that gives some).
@@ -194,6 +195,7 @@ class OwnedLease(WeakrefSlot):
     policy: TaskPolicy
     call: Mapping[str, Any] | None = field(default=None, repr=False)
     thread_id: int = field(default_factory=threading.get_ident)
+    runner: Any = field(default=None, repr=False)
     stage: str | None = None
     version: int = 0
     last_progress: float = field(default_factory=time.monotonic)
@@ -434,6 +436,18 @@ class OwnedLease(WeakrefSlot):
             if due:
                 self.interrupt_pending = False
             return due
+
+    def landing(self) -> bool | None:
+        """An asynchronous interrupt is about to be raised in the body's greenlet (by the gevent
+        hub, the greenlet parked): True to raise it, False when it was withdrawn meanwhile,
+        ``None`` while the lock is held (the hub cannot wait for it: try again)."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            sent, self.interrupt_sent = self.interrupt_sent, False
+            return sent
+        finally:
+            self.lock.release()
 
     def signal_landed(self) -> bool:
         """The interrupt's signal handler runs (in the task's thread, the lock not taken):

@@ -4,7 +4,8 @@ it, check the worker at start, run its main-process threads, stop them at shutdo
 :func:`celery_fenced.wiring.connect_worker_hooks` connects these when a ``ProgressLeasedTask``
 is bound to an app; its receivers load this module only when a fenced task runs in a worker,
 and Celery loads the bootsteps by name when a worker starts. The bootstep refuses what cannot
-work (gevent/eventlet pools, another result backend, bad settings).
+work (the eventlet pool, gevent without its monkey patching, another result backend, bad
+settings).
 
 * ``task_prerun`` takes the lease, before Celery's STARTED write, so that write already
   carries the token. A duplicate or finished delivery is marked to be skipped.
@@ -29,6 +30,7 @@ from ..conf import ensure_conf, exit_in_one_line
 from ..exceptions import ConfigurationError
 from ..reaper import REAP_TASK_NAME
 from ..store import is_fenced, lease_store_of
+from . import greenlets
 from .attempt import begin
 from .interrupt import install_interrupt_handler, set_pool_kind
 from .lifecycle import acquire, release
@@ -36,6 +38,7 @@ from .runtime import reservation_writer_of, runtime_of, stop_runtimes
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
+    "UNSUPPORTED_POOLS",
     "ChildExitWatch",
     "FencedWorkerStep",
     "ReconnectWatch",
@@ -53,7 +56,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_UNSUPPORTED_POOLS = ("gevent", "eventlet")
+#: Pools refused at start, with why.
+UNSUPPORTED_POOLS = {
+    "eventlet": "eventlet is in maintenance mode upstream; use the gevent pool for many concurrent waits",
+}
 
 
 def _is_fenced(task: Any) -> bool:
@@ -90,11 +96,10 @@ def pool_kind_of(pool_cls: Any) -> str:
 def check_worker(app: Celery, pool_cls: Any) -> None:
     """Refuse, with one clear message, a worker on which fenced tasks cannot work."""
     kind = pool_kind_of(pool_cls)
-    if kind in _UNSUPPORTED_POOLS:
-        raise ConfigurationError(
-            f"celery-fenced does not support the {kind} pool yet: its heartbeat thread and the "
-            "interrupt of a stalled body need real threads. Use the prefork, threads or solo pool."
-        )
+    if kind in UNSUPPORTED_POOLS:
+        raise ConfigurationError(f"celery-fenced does not support the {kind} pool: {UNSUPPORTED_POOLS[kind]}")
+    if kind == "gevent":
+        greenlets.check_patched()
     if not is_fenced(app):
         fenced = sorted(name for name, task in registered_tasks(app).items() if _is_fenced(task))
         shared = _shared_from_fenced_apps(app, fenced)

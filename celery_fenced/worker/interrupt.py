@@ -8,7 +8,9 @@ delivered two ways, by the pool that runs this process:
   blocking sleep or socket read (billiard's own SIGUSR1 handler, a soft time limit, keeps
   every SIGUSR1 not sent here);
 * threads and solo pools get an asynchronous exception in the task's thread, raised when
-  that thread next runs Python code (SIGUSR1 would make the main process dump tracebacks).
+  that thread next runs Python code (SIGUSR1 would make the main process dump tracebacks);
+* the gevent pool throws it into the task's greenlet from the hub, at the wait the greenlet
+  is blocked in (a socket read with no timeout included): see :mod:`.greenlets`.
 
 Whether to deliver is the lease's to decide, under its lock
 (:meth:`~celery_fenced.owner.OwnedLease.interrupt`): a body that finished is left alone, a
@@ -30,8 +32,17 @@ from typing import Any
 
 from ..exceptions import LeaseInterrupted
 from ..owner import OwnedLease, thread_state
+from . import greenlets
 
-__all__ = ["end_of_body", "install_interrupt_handler", "interrupt", "pool_kind", "set_pool_kind", "shielded"]
+__all__ = [
+    "body_runner",
+    "end_of_body",
+    "install_interrupt_handler",
+    "interrupt",
+    "pool_kind",
+    "set_pool_kind",
+    "shielded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,12 @@ def set_pool_kind(kind: str, *, only_if_unset: bool = False) -> None:
 def pool_kind() -> str | None:
     """The pool recorded for this process (``None`` outside a worker)."""
     return _pool_kind
+
+
+def body_runner() -> Any:
+    """What runs the body calling this, for :func:`interrupt`: its greenlet on the gevent pool,
+    else ``None`` (its thread is the lease's ``thread_id``)."""
+    return greenlets.current() if _pool_kind == "gevent" else None
 
 
 class _AsyncLeaseInterrupted(LeaseInterrupted):
@@ -105,8 +122,12 @@ def _set_async_exc(thread_id: int, exc: Any) -> int:
 
 
 def _withdraw(lease: OwnedLease) -> None:
-    """Withdraw an asynchronous interrupt sent to the lease's thread and not yet raised."""
-    _set_async_exc(lease.thread_id, None)
+    """Withdraw an asynchronous interrupt sent to the lease's thread and not yet raised.
+
+    A greenlet's needs nothing here: it asks the lease when it lands (``interrupt_sent``,
+    which the caller has just cleared)."""
+    if lease.runner is None:
+        _set_async_exc(lease.thread_id, None)
 
 
 def _deliver(lease: OwnedLease) -> bool:
@@ -117,6 +138,9 @@ def _deliver(lease: OwnedLease) -> bool:
         _interrupting = lease
         os.kill(os.getpid(), signal.SIGUSR1)
         return False
+    if lease.runner is not None:
+        logger.warning("interrupting task %s[%s] (thrown into its greenlet)", lease.task_name, lease.task_id)
+        return greenlets.throw_later(lease, lease.runner, _interrupted(lease))
     logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
     modified = _set_async_exc(lease.thread_id, ctypes.py_object(_AsyncLeaseInterrupted))
     if modified == 1:

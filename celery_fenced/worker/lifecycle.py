@@ -40,7 +40,7 @@ from ..running import RunningAttempt
 from ..state import LeaseStatus, ReleaseOutcome
 from ..store import lease_store_of
 from .attempt import Attempt, announce_the_end, attempt_of
-from .interrupt import end_of_body
+from .interrupt import body_runner, end_of_body
 from .runtime import runtime_of, runtimes
 
 __all__ = [
@@ -331,6 +331,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         renewed=started,
         started=started,
         checkpoint=result.checkpoint,
+        runner=body_runner(),
     )
     attempt.lease = lease
     set_current_lease(lease)

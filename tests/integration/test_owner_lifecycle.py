@@ -36,7 +36,7 @@ def test_a_progressing_task_keeps_its_lease_past_many_ttls(cluster: Cluster) -> 
     assert cluster.results.pttl(KEYS.lease(result.id)) > 0  # a DONE lease expires with its result
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_zombie_loses_its_lease_and_its_late_result_is_refused(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     worker = cluster.worker("w1", pool=pool, concurrency=2)
@@ -109,7 +109,7 @@ def test_a_zombie_in_a_chain_neither_stores_nor_sends_the_next_step(cluster: Clu
     assert len(cluster.runs(first_id)) == 2
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_interrupt_on_loss_stops_the_stalled_body(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
@@ -122,7 +122,7 @@ def test_interrupt_on_loss_stops_the_stalled_body(cluster: Cluster, pool: str) -
     assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_a_body_that_swallows_every_exception_is_still_freed(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
@@ -136,7 +136,7 @@ def test_a_body_that_swallows_every_exception_is_still_freed(cluster: Cluster, p
     assert stored(cluster, result.id)["result"] == "owner"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_a_shielded_block_is_not_cut_and_the_interrupt_follows_it(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     worker = cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)

@@ -40,10 +40,11 @@ def received_by(cluster: Cluster, task_ids: list[str], count: int) -> object:
     )
 
 
-def test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster: Cluster) -> None:
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     settings = dict(PREFETCH, fenced_start_timeout=4)
-    w1 = cluster.worker("w1", concurrency=1, **settings)
+    w1 = cluster.worker("w1", pool=pool, concurrency=1, **settings)
     results = [app.steady.delay(20, 0.2) for _ in range(4)]  # 4 s each
     ids = [r.id for r in results]
     received_by(cluster, ids, 3)  # one runs, three wait in w1's buffer

@@ -27,7 +27,7 @@ def details(cluster: Cluster, task_id: str) -> dict:  # type: ignore[type-arg]
     return json.loads(text) if text else {}
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_a_stalled_owner_is_resumed_after_its_last_published_batch(cluster: Cluster, pool: str) -> None:
     app = cluster.app()
     w1 = cluster.worker("w1", pool=pool, concurrency=1)

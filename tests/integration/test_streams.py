@@ -37,9 +37,10 @@ def test_a_healthy_stream_is_progress(cluster: Cluster, ai: AIServer) -> None:
     assert len(cluster.runs(result.id)) == 1
 
 
-def test_a_stream_that_stops_mid_way_fires_the_idle_timeout(cluster: Cluster, ai: AIServer) -> None:
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_stream_that_stops_mid_way_fires_the_idle_timeout(cluster: Cluster, ai: AIServer, pool: str) -> None:
     app = cluster.app()
-    worker = cluster.worker("w1", concurrency=2, fenced_interrupt_on_loss=True)
+    worker = cluster.worker("w1", pool=pool, concurrency=2, fenced_interrupt_on_loss=True)
     result = app.stream_ai.delay(ai.url, "hang-once", 2, 1, 20)
     assert result.get(timeout=30) == CHUNKS  # the second attempt streams it all
     assert "idle timeout" in worker.log()

@@ -10,13 +10,21 @@ from tests.support.processes import wait_until
 pytestmark = pytest.mark.integration
 
 
-def start_and_fail(cluster: Cluster, *, pool: str = "prefork", **settings: object) -> str:
+def start_and_fail(cluster: Cluster, *, pool: str = "prefork", patched: bool = True, **settings: object) -> str:
+    """Start a worker that must refuse to start; its log.
+
+    ``patched=False`` starts it through ``app.worker_main()`` instead of the celery command.
+    """
     cluster.app()
     env = cluster.env(**settings)
     from tests.support.processes import CeleryProcess
 
-    argv = ["-A", "tests.integration.apps.fenced_app", "worker", "-P", pool, "-c", "1", "--without-mingle"]
-    proc = CeleryProcess("refused", argv, env, cluster.tmp_path / "refused.log", " ready.")
+    argv = ["worker", "-P", pool, "-c", "1", "--without-mingle"]
+    if patched:
+        argv, launcher = ["-A", "tests.integration.apps.fenced_app", *argv], ("-m", "celery")
+    else:
+        argv, launcher = [], ("-c", f"from tests.integration.apps.fenced_app import app; app.worker_main({argv!r})")
+    proc = CeleryProcess("refused", argv, env, cluster.tmp_path / "refused.log", " ready.", launcher)
     cluster.processes.append(proc)
     wait_until(lambda: proc.proc.poll() is not None, 60, "the worker to refuse to start")
     assert proc.proc.returncode != 0
@@ -38,7 +46,7 @@ def test_another_result_backend_is_refused(cluster: Cluster) -> None:
     assert "ProgressLeasedTask needs the fenced result backend" in log
 
 
-def test_the_gevent_pool_is_refused(cluster: Cluster) -> None:
-    pytest.importorskip("gevent", reason="gevent is in the test extra; this environment lacks it")
-    log = start_and_fail(cluster, pool="gevent")
-    assert "does not support the gevent pool" in log
+def test_a_gevent_worker_that_gevent_did_not_patch_is_refused(cluster: Cluster) -> None:
+    # Celery's worker_main() starts the gevent pool without the celery command's monkey patching.
+    log = start_and_fail(cluster, pool="gevent", patched=False)
+    assert "the gevent pool needs gevent's monkey patching, and socket, select, threading, time are not patched" in log

@@ -34,14 +34,23 @@ def run_project_python(argv: list[str], env: dict[str, str], timeout: float) -> 
 class CeleryProcess:
     """One ``celery`` command (worker, beat, flower) running in its own process group."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, ready_text: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        ready_text: str,
+        launcher: tuple[str, ...] = ("-m", "celery"),
+    ) -> None:
+        """Start ``python LAUNCHER ARGV``: the celery command, unless ``launcher`` says otherwise."""
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.ready_text = ready_text
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", *argv],
+            [sys.executable, *launcher, *argv],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -7,8 +7,10 @@ and ``FENCED_TEST_SETTINGS`` (JSON of extra settings).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -592,3 +594,43 @@ def fenced_failing_once(self: Any) -> str:
     if len(record().lrange(f"runs:{self.request.id}", 0, -1)) == 1:
         raise ValueError("first run fails")
     return "ok"
+
+
+def wait_on_a_socket(seconds: float) -> None:
+    """Wait ``seconds`` for a byte that never comes, in a socket read (a slow downstream call)."""
+    reader, writer = socket.socketpair()
+    try:
+        reader.settimeout(seconds)
+        with contextlib.suppress(TimeoutError):
+            reader.recv(1)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def socket_waits(self: Any, waits: int, seconds: float) -> str:
+    """Waits on a socket ``waits`` times, ``seconds`` each, with progress after each wait."""
+    note_run(self)
+    for _ in range(waits):
+        wait_on_a_socket(seconds)
+        self.progress("load-data")
+    return f"waited by {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def hogs_the_hub(self: Any, seconds: float) -> str:
+    """The first attempt progresses until told to wake, then runs Python code that never yields
+    for ``seconds`` (on gevent, the whole hub is blocked); later attempts return at once."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        while not record().exists(f"wake:{self.request.id}"):
+            time.sleep(0.1)
+            self.progress("load-data")
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            pass
+        self.progress("persist-result")
+        return "the hog"
+    return f"owner {self.fencing_token}"

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.concurrency.gevent import TaskPool as GeventPool
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.concurrency.thread import TaskPool as ThreadsPool
@@ -23,16 +24,17 @@ from celery_fenced.worker.runtime import runtime_of
 from tests.support.redis_server import RedisServer
 
 
-class GeventPool:  # named as Celery's, by module: the check reads the pool class's module
-    __module__ = "celery.concurrency.gevent"
+class EventletPool:  # named as Celery's, by module: the check reads the pool class's module
+    __module__ = "celery.concurrency.eventlet"
 
 
 def test_the_pool_kind_is_read_from_the_pool_class() -> None:
-    assert [hooks.pool_kind_of(pool) for pool in (PreforkPool, ThreadsPool, SoloPool, GeventPool)] == [
+    assert [hooks.pool_kind_of(pool) for pool in (PreforkPool, ThreadsPool, SoloPool, GeventPool, EventletPool)] == [
         "prefork",
         "threads",
         "solo",
         "gevent",
+        "eventlet",
     ]
 
 
@@ -47,8 +49,14 @@ def test_a_worker_with_fenced_tasks_and_another_backend_is_refused_naming_it() -
         hooks.check_worker(app, PreforkPool)
 
 
-def test_the_gevent_pool_is_refused_in_one_line(fenced_app: Celery) -> None:
-    with pytest.raises(ConfigurationError, match="does not support the gevent pool"):
+def test_the_eventlet_pool_is_refused_in_one_line_saying_why(fenced_app: Celery) -> None:
+    with pytest.raises(ConfigurationError, match="does not support the eventlet pool: eventlet is in maintenance"):
+        hooks.check_worker(fenced_app, EventletPool)
+
+
+def test_a_gevent_pool_in_a_process_gevent_did_not_patch_is_refused(fenced_app: Celery) -> None:
+    # This test process is not monkey-patched, as a worker started by app.worker_main() is not.
+    with pytest.raises(ConfigurationError, match=r"needs gevent.s monkey patching.*celery -A proj worker -P gevent"):
         hooks.check_worker(fenced_app, GeventPool)
 
 

@@ -171,3 +171,82 @@ def test_prefork_holds_the_signal_during_a_shield(prefork: None) -> None:
         signal.raise_signal(signal.SIGUSR1)
         assert lease.interrupt_pending
     assert not lease.interrupt_pending
+
+
+# -- the gevent pool: thrown into the body's greenlet by the hub --------------------------------
+
+
+def greenlet_body(run_body: Callable[[OwnedLease], None]) -> tuple[OwnedLease, list[str], object]:
+    """A body in a greenlet of its own (real gevent, no monkey patching: it waits in gevent's
+    own calls): its lease once it runs, and where its outcome will be recorded."""
+    gevent = pytest.importorskip("gevent")
+    outcome: list[str] = []
+    leases: list[OwnedLease] = []
+
+    def run() -> None:
+        lease = lost_lease(threading.get_ident())
+        lease.runner = gevent.getcurrent()
+        leases.append(lease)
+        try:
+            run_body(lease)
+            outcome.append("returned")
+        except LeaseInterrupted as exc:
+            outcome.append(f"interrupted: {exc.reason}")
+
+    runner = gevent.spawn(run)
+    gevent.sleep(0)  # the body runs up to its first wait
+    return leases[0], outcome, runner
+
+
+def test_a_greenlet_parked_in_a_wait_is_interrupted_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    import gevent
+
+    cleaned_up: list[str] = []
+
+    def waits_for_ever(lease: OwnedLease) -> None:
+        try:
+            gevent.sleep(60)  # parked in the hub, as a socket read with no timeout is
+        finally:
+            cleaned_up.append("finally")
+
+    lease, outcome, runner = greenlet_body(waits_for_ever)
+    interrupt(lease)
+    runner.join(5)  # type: ignore[attr-defined]
+    assert outcome == ["interrupted: taken over"]
+    assert cleaned_up == ["finally"]
+    assert lease.interrupt_sent is False  # landed
+
+
+def test_a_greenlet_interrupt_withdrawn_before_the_hub_runs_it_never_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    import gevent
+
+    def ends_its_body_then_waits_in_celerys_code(lease: OwnedLease) -> None:
+        gevent.sleep(0.1)  # parked where the interrupt would land
+
+    lease, outcome, runner = greenlet_body(ends_its_body_then_waits_in_celerys_code)
+    interrupt(lease)  # scheduled in the hub, which has not run since
+    assert lease.interrupt_sent
+    end_of_body(lease)  # the body ended first (its greenlet resumed before the hub's callback)
+    runner.join(5)  # type: ignore[attr-defined]
+    assert outcome == ["returned"]
+
+
+def test_a_shielded_greenlet_gets_the_interrupt_when_its_block_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    import gevent
+
+    reached: list[str] = []
+
+    def shielded_wait(lease: OwnedLease) -> None:
+        with shielded(lease):
+            gevent.sleep(0.2)
+            reached.append("block finished")
+        reached.append("after the block")
+
+    lease, outcome, runner = greenlet_body(shielded_wait)
+    interrupt(lease)
+    runner.join(5)  # type: ignore[attr-defined]
+    assert reached == ["block finished"]
+    assert outcome == ["interrupted: taken over"]

@@ -10,6 +10,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from benchmarks._waits import wait_on_a_socket
 from celery_fenced import ProgressLeasedTask, install
 
 REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
@@ -56,4 +57,11 @@ def stall_once(self: Any) -> str:
 def fenced_short(self: Any, seconds: float) -> None:
     """A short fenced task."""
     time.sleep(seconds)
+    self.progress("work")
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fenced_socket_wait(self: Any, seconds: float) -> None:
+    """A fenced task that waits on a socket (the plain app's wait), then reports its progress."""
+    wait_on_a_socket(seconds)
     self.progress("work")

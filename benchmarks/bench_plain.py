@@ -8,6 +8,8 @@ import time
 
 from celery import Celery
 
+from benchmarks._waits import wait_on_a_socket
+
 REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
 
 app = Celery("bench_plain", broker=f"{REDIS}/2", backend=f"{REDIS}/3")
@@ -18,3 +20,9 @@ app.conf.update(worker_prefetch_multiplier=1, worker_disable_prefetch=True, work
 def plain_short(seconds: float) -> None:
     """The same short task as the fenced one, plain Celery."""
     time.sleep(seconds)
+
+
+@app.task
+def plain_socket_wait(seconds: float) -> None:
+    """The same socket wait as the fenced one, plain Celery."""
+    wait_on_a_socket(seconds)

@@ -17,8 +17,13 @@ BENCHMARKS = [
     ("heartbeat tick per lease", ["heartbeat_tick.py"], ["heartbeat_tick.py", "--leases", "1", "100", "--ticks", "5"]),
     (
         "throughput, Redis CPU and round trips",
-        ["throughput.py"],
+        ["throughput.py", "--configs", "users,events,quiet"],
         ["throughput.py", "--configs", "users", "--tasks", "100", "--rounds", "1"],
+    ),
+    (
+        "the gevent pool: tasks waiting on a socket",
+        ["throughput.py", "--configs", "gevent", "--rounds", "11", "--no-monitor"],
+        ["throughput.py", "--configs", "gevent", "--tasks", "200", "--rounds", "1", "--no-monitor"],
     ),
     (
         "one Redis under 4 worker processes",

@@ -10,7 +10,9 @@ settings:
   result with ``AsyncResult.get()``: the figure that counts;
 * ``events``: events on, the client polling the result keys (``MGET``: cheap for the client,
   so the worker's own cost shows);
-* ``quiet``: events off, polling.
+* ``quiet``: events off, polling;
+* ``gevent``: the gevent pool (c=100) running tasks that each wait 50 ms on a socket (a
+  downstream HTTP or AI call), events on, results awaited with ``get()``.
 
 Per task and side it prints the Redis server's CPU time (``INFO`` ``used_cpu_*`` over each
 round: what decides how many tasks one Redis carries for a whole cluster), the commands it ran
@@ -21,7 +23,7 @@ and that the heartbeat renews 1, 10 or 100 leases of a process in one round trip
 ``--scale`` measures instead one worker of 4 processes fed by one client pushing 10,000 tasks
 (events on, ``get()``): tasks per second and the share of one core the Redis server used.
 
-    python benchmarks/throughput.py [--configs users,events,quiet] [--tasks 1000] [--rounds 5]
+    python benchmarks/throughput.py [--configs users,events,quiet,gevent] [--tasks 1000] [--rounds 5]
     python benchmarks/throughput.py --scale [--tasks 10000]
 """
 
@@ -73,7 +75,7 @@ class CpuMeter:
 
 
 def send_and_wait(task, count: int, seconds: float) -> None:  # type: ignore[no-untyped-def]
-    """Send ``count`` tasks that sleep ``seconds``, then wait for every result with ``get()``."""
+    """Send ``count`` tasks that wait ``seconds``, then wait for every result with ``get()``."""
     results = [task.delay(seconds) for _ in range(count)]
     for result in results:
         result.get(timeout=120)
@@ -230,44 +232,72 @@ def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
 #: The settings of ``benchmarks.bench_app`` set back to the package's defaults here.
 DEFAULT_LEASE_SETTINGS = ("fenced_lease_ttl", "fenced_heartbeat_interval", "fenced_reaper_interval")
 
-#: The configurations compared: (workers send task events, how the client waits for results).
+
+@dataclass(frozen=True)
+class Configuration:
+    """One configuration compared: the worker, its task, how the client waits for results."""
+
+    title: str
+    events: bool  # workers send task events (-E)
+    wait: str  # "get" (AsyncResult.get()) or "poll" (MGET of the result keys)
+    pool: str = "prefork"
+    concurrency: int = 2
+    body: str = "sleep"  # "sleep", or "socket": a wait on a socket read
+    task_ms: float | None = None  # the body's wait, when not --task-ms
+
+
 CONFIGURATIONS = {
-    "users": ("events on (-E), results awaited with get()", True, "get"),
-    "events": ("events on (-E), results polled", True, "poll"),
-    "quiet": ("events off, results polled", False, "poll"),
+    "users": Configuration("events on (-E), results awaited with get()", True, "get"),
+    "events": Configuration("events on (-E), results polled", True, "poll"),
+    "quiet": Configuration("events off, results polled", False, "poll"),
+    "gevent": Configuration(
+        "gevent pool, tasks waiting on a socket, events on (-E), results awaited with get()",
+        True,
+        "get",
+        pool="gevent",
+        concurrency=100,
+        body="socket",
+        task_ms=50,
+    ),
 }
 SIDES = {"plain": "benchmarks.bench_plain", "fenced": "benchmarks.bench_app:app"}
 
 
-def tasks_of() -> dict[str, object]:
+def tasks_of(body: str = "sleep") -> dict[str, object]:
     from benchmarks import bench_app, bench_plain
 
+    if body == "socket":
+        return {"plain": bench_plain.plain_socket_wait, "fenced": bench_app.fenced_socket_wait}
     return {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
 
 
 def compare(harness: Harness, name: str, args: argparse.Namespace) -> None:
     """Paired rounds of one configuration, plain against fenced, and the figures per task."""
-    title, events, wait = CONFIGURATIONS[name]
-    tasks = tasks_of()
+    config = CONFIGURATIONS[name]
+    wait, task_ms = config.wait, config.task_ms or args.task_ms
+    tasks = tasks_of(config.body)
     workers, meters = {}, {}
     for label, app_path in SIDES.items():
-        workers[label] = harness.worker(f"{label}-{name}", concurrency=2, app=app_path, events=events)
+        workers[label] = harness.worker(
+            f"{label}-{name}", pool=config.pool, concurrency=config.concurrency, app=app_path, events=config.events
+        )
         meters[label] = CpuMeter(harness, workers[label].pid)
-        run_round(harness, tasks[label], 50, args.task_ms / 1000, wait)  # warm up
+        run_round(harness, tasks[label], 50, task_ms / 1000, wait)  # warm up
     # Rounds alternate (the order flips each round), so a drift in the machine's load weighs
     # on both sides alike; the idle worker waits on its own queue meanwhile.
     measured: dict[str, list[Round]] = {"plain": [], "fenced": []}
     for number in range(args.rounds):
         order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
         for label in order:
-            measured[label].append(
-                run_round(harness, tasks[label], args.tasks, args.task_ms / 1000, wait, meters[label])
-            )
+            measured[label].append(run_round(harness, tasks[label], args.tasks, task_ms / 1000, wait, meters[label]))
     for worker in workers.values():
         harness.stop(worker)
     ratios = [f.elapsed / p.elapsed for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
     ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
-    print(f"{title}: {args.tasks} tasks of {args.task_ms:g} ms, prefork c=2, {args.rounds} round pairs")
+    print(
+        f"{config.title}: {args.tasks} tasks of {task_ms:g} ms, {config.pool} c={config.concurrency}, "
+        f"{args.rounds} round pairs"
+    )
     for label in ("plain", "fenced"):
         rate = args.tasks / statistics.median(r.elapsed for r in measured[label])
         print(
@@ -324,10 +354,10 @@ def scale(harness: Harness, args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="fenced vs plain Celery throughput")
-    parser.add_argument("--configs", default="users,events,quiet", help="of: " + ", ".join(CONFIGURATIONS))
+    parser.add_argument("--configs", default="users,events,quiet,gevent", help="of: " + ", ".join(CONFIGURATIONS))
     parser.add_argument("--tasks", type=int, default=None, help="tasks per round (1000; 10000 with --scale)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--task-ms", type=float, default=2.0, help="how long each task's body sleeps")
+    parser.add_argument("--task-ms", type=float, default=2.0, help="how long each task's body sleeps (not gevent's)")
     parser.add_argument("--scale", action="store_true", help="4 worker processes, one client, 10,000 tasks")
     parser.add_argument("--no-monitor", action="store_true", help="skip the MONITOR count of round trips")
     args = parser.parse_args()

@@ -21,6 +21,7 @@ from celery.loaders.app import AppLoader
 MODE = os.environ.get("FENCED_CELERY_SUITE", "plain")
 if MODE not in ("plain", "backend", "fenced"):
     raise RuntimeError(f"FENCED_CELERY_SUITE must be plain, backend or fenced, not {MODE!r}")
+POOL = os.environ.get("FENCED_CELERY_SUITE_POOL", "prefork")
 
 
 class FencedBackendLoader(AppLoader):
@@ -40,7 +41,7 @@ def celery_parameters() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _fenced_suite_is_what_it_says(celery_session_app: Any) -> None:
+def _fenced_suite_is_what_it_says(celery_session_app: Any, celery_worker_pool: Any) -> None:
     """Fail at once if the mode did not take: a run that silently tested plain Celery proves nothing."""
     from celery_fenced import FencedRedisBackend, ProgressLeasedTask
 
@@ -48,6 +49,11 @@ def _fenced_suite_is_what_it_says(celery_session_app: Any) -> None:
     assert fenced_backend == (MODE != "plain"), f"{MODE} run with {type(celery_session_app.backend).__name__}"
     fenced_tasks = issubclass(celery_session_app.Task, ProgressLeasedTask)
     assert fenced_tasks == (MODE == "fenced"), f"{MODE} run with tasks of {celery_session_app.Task.__mro__}"
+    assert celery_worker_pool == POOL, f"a {POOL} run with a {celery_worker_pool} worker"
+    if POOL == "gevent":
+        from gevent import monkey
+
+        assert monkey.is_module_patched("socket"), "a gevent run in a process gevent did not patch"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -59,3 +65,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             marker.args[0] if marker and marker.args else (marker.kwargs.get("timeout", cap) if marker else cap)
         )
         item.add_marker(pytest.mark.timeout(min(seconds, cap)), append=False)
+
+
+if POOL == "gevent":
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item: pytest.Item) -> Any:
+        """The cap as a ``gevent.Timeout``: pytest-timeout's SIGALRM is not run while the hub waits
+        in its event loop, so a test parked in a wait would hang the run; this raises at that wait."""
+        import gevent
+
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker and marker.args else None
+        with gevent.Timeout(seconds, AssertionError(f"timed out after {seconds:g}s (gevent.Timeout)")):
+            return (yield)

@@ -1,16 +1,20 @@
 """Celery's own integration suite, run against celery-fenced.
 
-    python tests/celery_suite/run.py --mode fenced [--tests test_canvas.py ...] [--timeout 30]
+    python tests/celery_suite/run.py --mode fenced [--pool gevent] [--tests test_canvas.py ...] [--timeout 30]
 
 The suite comes from the sdist of the installed Celery (``pip download``, cached). The runner
 puts ``overlay_conftest.py`` at the sdist's root as ``conftest.py``, starts a private
 ``redis-server`` for broker and backend, and runs the suite with a short per-test timeout
 (a test that hangs costs one timeout: no reruns). ``--mode`` is ``plain`` (Celery as it is,
 the baseline), ``backend`` (``FencedRedisBackend`` under the ``redis://`` URL) or ``fenced``
-(that backend, and every task a ``ProgressLeasedTask``).
+(that backend, and every task a ``ProgressLeasedTask``). ``--pool`` is the suite worker's pool:
+``prefork`` as Celery's suite has it, or ``gevent``: the runner then makes the suite's
+``celery_worker_pool`` fixture return it, and runs pytest under ``python -m gevent.monkey`` so
+that everything is patched before the suite imports Celery, as ``celery worker -P gevent`` does.
 
 It passes when every test that failed is listed in ``baseline-failures-celery-X.Y.txt`` for the
-installed Celery (tests that fail with plain ``redis://`` on this machine too) or, for the
+installed Celery (``…-X.Y-gevent.txt`` on gevent: tests that fail with plain ``redis://`` on
+this machine too) or, for the
 fenced modes, in
 ``known-fenced-failures.txt`` (defects not yet fixed; the list only shrinks). An unlisted
 failure is run once more, alone: it fails the run only if it fails again, and is shown either
@@ -52,11 +56,21 @@ def celery_sdist() -> Path:
     return found[0]
 
 
-def unpack(sdist: Path, into: Path) -> Path:
+#: The suite's own pool fixture (t/integration/conftest.py, Celery 5.5 to 5.7).
+SUITE_POOL_FIXTURE = "def celery_worker_pool():\n    return 'prefork'\n"
+
+
+def unpack(sdist: Path, into: Path, pool: str) -> Path:
     with tarfile.open(sdist) as archive:
         archive.extractall(into, filter="data")
     (root,) = into.iterdir()
     shutil.copy(HERE / "overlay_conftest.py", root / "conftest.py")
+    if pool != "prefork":
+        suite_conftest = root / "t" / "integration" / "conftest.py"
+        text = suite_conftest.read_text()
+        if SUITE_POOL_FIXTURE not in text:
+            raise SystemExit(f"{suite_conftest} has no `celery_worker_pool` returning 'prefork' to change")
+        suite_conftest.write_text(text.replace(SUITE_POOL_FIXTURE, SUITE_POOL_FIXTURE.replace("prefork", pool)))
     return root
 
 
@@ -66,17 +80,17 @@ def listed(name: str) -> set[str]:
     return {line.split("#", 1)[0].strip() for line in lines} - {""}
 
 
-def baseline_of_installed_celery(mode: str) -> str:
-    """The name of the baseline file of the installed Celery's minor version.
+def baseline_of_installed_celery(mode: str, pool: str) -> str:
+    """The name of the baseline file of the installed Celery's minor version, on ``pool``.
 
     The plain mode, which makes a baseline, runs without one; the fenced modes need it.
     """
     minor = ".".join(version("celery").split(".")[:2])
-    name = f"baseline-failures-celery-{minor}.txt"
+    name = f"baseline-failures-celery-{minor}{'' if pool == 'prefork' else '-' + pool}.txt"
     if not (HERE / name).exists() and mode != "plain":
         raise SystemExit(
-            f"no baseline for Celery {minor}: run `python {Path(__file__).name} --mode plain` on it and list "
-            f"the tests that fail in {HERE / name}"
+            f"no baseline for Celery {minor} on {pool}: run `python {Path(__file__).name} --mode plain --pool {pool}` "
+            f"on it and list the tests that fail in {HERE / name}"
         )
     return name
 
@@ -101,34 +115,37 @@ def outcomes(junit: Path) -> tuple[set[str], set[str], int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("plain", "backend", "fenced"), required=True)
+    parser.add_argument("--pool", choices=("prefork", "gevent"), default="prefork", help="the suite worker's pool")
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="files of t/integration")
     parser.add_argument("--timeout", type=int, default=30, help="per-test timeout, seconds")
     parser.add_argument("--keep", type=Path, help="keep the work folder here (for a look afterwards)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix=f"celery-suite-{args.mode}-"))
-    root = unpack(celery_sdist(), work / "src")
+    work = Path(tempfile.mkdtemp(prefix=f"celery-suite-{args.mode}-{args.pool}-"))
+    root = unpack(celery_sdist(), work / "src", args.pool)
     redis = RedisServer(default_binary(), work).start()
     env = dict(
         os.environ,
         FENCED_CELERY_SUITE=args.mode,
+        FENCED_CELERY_SUITE_POOL=args.pool,
         FENCED_CELERY_SUITE_TIMEOUT=str(args.timeout),
         TEST_BROKER=redis.url(0),
         TEST_BACKEND=redis.url(1),
         REDIS_HOST="127.0.0.1",
         REDIS_PORT=str(redis.port),
     )
-    allowed = listed(baseline_of_installed_celery(args.mode))
+    allowed = listed(baseline_of_installed_celery(args.mode, args.pool))
     if args.mode != "plain":
         allowed |= listed("known-fenced-failures.txt")
 
     def run_pytest(tests: list[str], report: Path) -> tuple[set[str], set[str], int]:
-        argv = [sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest", "-p", "no:cacheprovider"]
+        pytest = ["-m", "gevent.monkey", "--module", "pytest"] if args.pool == "gevent" else ["-m", "pytest"]
+        argv = [sys.executable, *pytest, "-p", "celery.contrib.pytest", "-p", "no:cacheprovider"]
         if find_spec("pytest_rerunfailures") is not None:
             argv += ["-p", "no:rerunfailures"]
         argv += [f"--timeout={args.timeout}", "-q", "-rfE", f"--junitxml={report}", *tests, *args.pytest_args]
-        print(f"celery suite ({args.mode}): {' '.join(argv[1:])}", flush=True)
+        print(f"celery suite ({args.mode}, {args.pool}): {' '.join(argv[1:])}", flush=True)
         subprocess.run(argv, cwd=root, env=env, check=False)
         if not report.exists():
             raise RuntimeError("pytest wrote no report")
@@ -136,7 +153,9 @@ def main() -> int:
 
     try:
         failed, passed, skipped = run_pytest([f"t/integration/{name}" for name in args.tests], work / "junit.xml")
-        print(f"\ncelery suite ({args.mode}): {len(passed)} passed, {len(failed)} failed, {skipped} skipped")
+        print(
+            f"\ncelery suite ({args.mode}, {args.pool}): {len(passed)} passed, {len(failed)} failed, {skipped} skipped"
+        )
         new = sorted(failed - allowed)
         flaky: list[str] = []
         if new and len(new) <= RUN_AGAIN_AT_MOST:

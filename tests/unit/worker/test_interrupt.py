@@ -250,3 +250,27 @@ def test_a_shielded_greenlet_gets_the_interrupt_when_its_block_ends(monkeypatch:
     runner.join(5)  # type: ignore[attr-defined]
     assert reached == ["block finished"]
     assert outcome == ["interrupted: taken over"]
+
+
+def test_only_the_greenlets_module_imports_gevent_and_only_inside_its_functions() -> None:
+    import ast
+    from pathlib import Path
+
+    import celery_fenced
+
+    found = []
+    for path in Path(celery_fenced.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = set(tree.body)
+        for node in ast.walk(tree):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            if any(name.split(".")[0] == "gevent" for name in names):
+                found.append((path.name, node in top_level))
+    assert found and {name for name, _ in found} == {"greenlets.py"}, found
+    assert not any(at_top for _, at_top in found), "gevent imported when the module is, not on the gevent pool"

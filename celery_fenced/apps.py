@@ -27,6 +27,8 @@ class AppRecord:
         write_hook: what hears its backend's writes (see :mod:`celery_fenced.writes`).
         runtime: its worker runtime in this process (see :mod:`celery_fenced.worker.runtime`).
         dispatcher: its event dispatcher and the pid of the process that made it.
+        shared_store: where the process's threads are greenlets, the lease store its backends
+            share, with what it was made for (see ``FencedRedisBackend.lease_store``).
     """
 
     conf: Any = None
@@ -34,6 +36,7 @@ class AppRecord:
     write_hook: Any = None
     runtime: Any = None
     dispatcher: tuple[int, Any] | None = None
+    shared_store: tuple[Any, Any] | None = None
 
 
 _records: WeakKeyDictionary[Any, AppRecord] = WeakKeyDictionary()

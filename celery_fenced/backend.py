@@ -16,6 +16,7 @@ writer's lease, counts it and asks for a reap.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from functools import cached_property, partial
@@ -39,6 +40,7 @@ from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
 from .keys import KeySpace
 from .running import attempt_of
+from .scripts import threads_are_greenlets
 from .state import StoreResult, as_text
 from .store import LeaseStore
 from .writes import WriteReport, log_write
@@ -148,8 +150,20 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
 
     @cached_property
     def lease_store(self) -> LeaseStore:
-        """The lease store over this backend's Redis client."""
-        return LeaseStore(self.client, self.keyspace)
+        """The lease store over this backend's Redis client.
+
+        Where the process's threads are greenlets (the gevent pool), Celery makes a backend for
+        each thread, that is for each task's greenlet: those of one app share one store, over
+        the first one's client and its pool, made again only for another Redis or keyspace.
+        """
+        if not threads_are_greenlets():
+            return LeaseStore(self.client, self.keyspace)
+        made_for = (os.getpid(), self.as_uri(include_password=True), self.keyspace)
+        shared = self._record.shared_store
+        if shared is None or shared[0] != made_for:
+            shared = self._record.shared_store = (made_for, LeaseStore(self.client, self.keyspace))
+        store: LeaseStore = shared[1]
+        return store
 
     def retrying(self, operation: Callable[[], T]) -> T:
         """Run ``operation`` once; on a connection error, go on in Celery's retry loop.

@@ -6,7 +6,8 @@ result write) live once, in ``_lib.lua``; the loader puts in front of each scrip
 calls.
 :class:`ScriptSet` holds every script file as a :class:`LeaseScript`, which runs it by SHA and
 loads it again after ``NoScriptError`` (a Redis restart), on a connection of the calling
-thread's own (:class:`ThreadConnections`).
+thread's own (:class:`ThreadConnections`), or where the process's threads are greenlets (gevent's
+patching, the gevent pool) on the client's pool (:class:`PooledConnections`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import itertools
 import os
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -26,7 +28,16 @@ from redis.exceptions import ConnectionError, NoScriptError, ResponseError, Time
 
 from ..compat import is_connected
 
-__all__ = ["SCRIPT_NAMES", "LeaseScript", "ScriptSet", "ThreadConnections", "script_header", "script_source"]
+__all__ = [
+    "SCRIPT_NAMES",
+    "LeaseScript",
+    "PooledConnections",
+    "ScriptSet",
+    "ThreadConnections",
+    "script_header",
+    "script_source",
+    "threads_are_greenlets",
+]
 
 _LIBRARY = "_lib"
 
@@ -183,6 +194,33 @@ def _send(connection: Any, args: tuple[Any, ...]) -> Any:
         raise
 
 
+def threads_are_greenlets() -> bool:
+    """True in a process whose ``threading`` gevent has patched (a gevent worker, a gevent web
+    server): its "threads" are greenlets, most of them short-lived. Asked of ``sys.modules``, so
+    that a process without gevent imports nothing."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("threading"))
+
+
+class PooledConnections:
+    """The client's own pool, for the scripts of a process whose threads are greenlets.
+
+    On the gevent pool each task runs in a greenlet of its own: a connection kept per thread
+    would be a connection made, and left, per task. The pool lends one for each call (and is
+    cooperative under gevent's patching).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def execute(self, *args: Any) -> Any:
+        """Send one command on a connection of the pool; its reply."""
+        return self.client.execute_command(*args)
+
+    def close(self) -> None:
+        """Nothing to close: the pool is its client's."""
+
+
 class LeaseScript:
     """One script on one Redis client: run by SHA, loaded again after ``NoScriptError``.
 
@@ -191,7 +229,9 @@ class LeaseScript:
     ``Script``, which loads the script into the pipeline first.
     """
 
-    def __init__(self, client: Any, source: str, connections: ThreadConnections | None = None) -> None:
+    def __init__(
+        self, client: Any, source: str, connections: ThreadConnections | PooledConnections | None = None
+    ) -> None:
         self.client = client
         self.connections = connections or ThreadConnections(client)
         self._script = client.register_script(source)
@@ -218,7 +258,9 @@ class ScriptSet:
     """The package's scripts on one Redis client, as attributes by name."""
 
     def __init__(self, client: Any) -> None:
-        self.connections = ThreadConnections(client)
+        self.connections: ThreadConnections | PooledConnections = (
+            PooledConnections(client) if threads_are_greenlets() else ThreadConnections(client)
+        )
         # Plain instance attributes: a lookup on every call finds them at once.
         for name in SCRIPT_NAMES:
             setattr(self, name, LeaseScript(client, script_source(name), self.connections))

@@ -167,3 +167,54 @@ def test_a_store_closes_its_scripts_connections(store: LeaseStore) -> None:
     store.close()
     assert not is_connected(connection)
     assert acquire(store, task_id="t2").outcome is AcquireOutcome.NEW  # and it still works
+
+
+GREENLET_PROCESS = """
+from gevent import monkey
+
+monkey.patch_all()
+import sys
+
+import gevent
+from celery import Celery
+
+from celery_fenced import install
+from celery_fenced.scripts import PooledConnections, threads_are_greenlets
+
+app = Celery("greenlets", broker=sys.argv[1] + "/0", backend="fenced+" + sys.argv[1] + "/1")
+install(app)
+assert threads_are_greenlets()
+seen = []
+
+
+def task_greenlet(n):
+    backend = app.backend  # Celery's backend is per thread: per greenlet here
+    store = backend.lease_store
+    seen.append((backend, store, int(store.scripts.connections.execute("CLIENT", "ID"))))
+    assert store.acquire(f"t{n}", "host/1/a", ttl_ms=5000, task_name="t", max_takeovers=3).token > 0
+
+
+for n in range(20):  # one task after another, each in a greenlet of its own, as the pool runs them
+    gevent.spawn(task_greenlet, n).get()
+backends, stores, clients = zip(*seen)
+assert len({id(b) for b in backends}) == 20, "Celery made one backend per greenlet"
+assert len({id(s) for s in stores}) == 1, "the greenlets' backends share one lease store"
+assert isinstance(stores[0].scripts.connections, PooledConnections)
+print("connections", len(set(clients)))
+"""
+
+
+def test_where_threads_are_greenlets_the_backends_share_one_store_on_the_pool(redis_server: Any) -> None:
+    """gevent's patching: the backend Celery makes per greenlet shares one store and its pool."""
+    from tests.support.processes import run_project_python
+
+    output = run_project_python(["-c", GREENLET_PROCESS, redis_server.url(0).rsplit("/", 1)[0]], dict(os.environ), 60)
+    connections = int(output.split("connections", 1)[1].split()[0])
+    assert connections == 1, output  # the pool's, lent per call: not one per greenlet's task
+
+
+def test_a_process_that_gevent_did_not_patch_keeps_a_connection_per_thread(redis_client: redis.Redis) -> None:
+    from celery_fenced.scripts import ScriptSet, threads_are_greenlets
+
+    assert not threads_are_greenlets()
+    assert isinstance(ScriptSet(redis_client).connections, ThreadConnections)

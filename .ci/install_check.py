@@ -119,6 +119,15 @@ def readme_program() -> tuple[str, list[str]]:
     return program, commands
 
 
+def readme_gevent_worker_line() -> str:
+    """The worker command the README gives for the gevent pool (in "Use it")."""
+    for block in readme_blocks("bash", after="## Use it"):
+        for line in block.splitlines():
+            if line.startswith("celery ") and "-P gevent" in line:
+                return line if line.rstrip().endswith("&") else line + " &"
+    raise CheckFailed("README 'Use it': no worker command with -P gevent")
+
+
 # -- environments -----------------------------------------------------------------------------
 
 
@@ -248,17 +257,20 @@ def build(work: Path) -> Path:
     return wheel
 
 
-def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str = "") -> None:
+def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str = "", gevent: bool = False) -> None:
     """The README's "Use it" program, run as written, from the wheel with no extras.
 
     With ``celery_pin`` (a user's project pinning an older Celery), pip installs the wheel
-    beside that pin, and the pin is what the program runs on.
+    beside that pin, and the pin is what the program runs on. With ``gevent``, the wheel's
+    ``gevent`` extra alone, and the worker started as the README says for that pool.
     """
     beside = f" beside {celery_pin!r}" if celery_pin else ""
-    step(f"the wheel, no extras{beside}, in a fresh venv: the README's 'Use it' program on a real worker")
+    extra = "the 'gevent' extra alone" if gevent else "no extras"
+    step(f"the wheel, {extra}{beside}, in a fresh venv: the README's 'Use it' program on a real worker")
     name = "user-" + re.sub(r"[^0-9a-z]+", "-", celery_pin.lower()).strip("-") if celery_pin else "user"
+    name += "-gevent" if gevent else ""
     venv = Venv(work / name)
-    venv.pip_install(wheel, *([celery_pin] if celery_pin else []))
+    venv.pip_install(f"{wheel}[gevent]" if gevent else wheel, *([celery_pin] if celery_pin else []))
     venv.pip_check()
     if celery_pin:
         installed = run([venv.python, "-c", "import celery; print(celery.__version__)"]).strip()
@@ -266,6 +278,8 @@ def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str
         if pinned != "True":
             raise CheckFailed(f"pip installed Celery {installed}, not what {celery_pin!r} pins")
     program, (worker_line, client_line, inspect_line) = readme_program()
+    if gevent:
+        worker_line = readme_gevent_worker_line()
     project = work / f"{name}-project"
     project.mkdir()
     (project / "proj.py").write_text(program)
@@ -389,6 +403,7 @@ def main() -> int:
         with redis_server(work) as redis_url:
             check_first_program(work, wheel, redis_url)
             check_first_program(work, wheel, redis_url, celery_pin=OLDEST_CELERY)
+            check_first_program(work, wheel, redis_url, gevent=True)
             check_extras(work, wheel, redis_url)
         check_readme_first_command(work)
     except CheckFailed as exc:

@@ -72,8 +72,18 @@ if POOL == "gevent":
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(item: pytest.Item) -> Any:
         """The cap as a ``gevent.Timeout``: pytest-timeout's SIGALRM is not run while the hub waits
-        in its event loop, so a test parked in a wait would hang the run; this raises at that wait."""
+        in its event loop, so a test parked in a wait would hang the run; this raises at that wait.
+
+        And the worker's app is the default app while the test runs, as in a ``celery worker -P
+        gevent`` process: a gevent task runs in a greenlet of its own, whose current app is the
+        default one (the thread-local current app is greenlet-local once threading is
+        patched), and the suite makes each test's own app the default.
+        """
         import gevent
+
+        worker_app = item.funcargs.get("celery_session_app")  # type: ignore[attr-defined]
+        if worker_app is not None:
+            worker_app.set_default()
 
         marker = item.get_closest_marker("timeout")
         seconds = float(marker.args[0]) if marker and marker.args else None

@@ -7,7 +7,8 @@ tick is logged and retried on the next one; it never kills the thread. If renewa
 failing until the lease may have expired, the body is told (the lease is marked lost).
 
 The thread holds only weak references to the leases it serves and loops on
-``Event.wait(interval)``, so stopping it is immediate.
+``Event.wait(interval)``, so stopping it is immediate. On the gevent pool it is a greenlet of
+the tasks' hub (see :mod:`celery_fenced.worker.greenlets` for why).
 """
 
 from __future__ import annotations

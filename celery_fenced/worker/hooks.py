@@ -12,7 +12,8 @@ settings).
 * ``task_postrun`` ends a lease that no result write ended (ignored results, ``Ignore``,
   ``Reject``, retries with ignored results).
 * One heartbeat thread per process serves every lease of that process; it starts lazily
-  at the first lease, so it exists in prefork children, in the threads pool and in solo.
+  at the first lease, so it exists in prefork children, in the threads pool and in solo (on
+  gevent, a greenlet of the tasks' hub).
 """
 
 from __future__ import annotations

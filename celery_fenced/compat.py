@@ -24,6 +24,7 @@ from redis.connection import AbstractConnection
 
 __all__ = [
     "CELERY_VERSION",
+    "GEVENT_POOL_CANNOT_DISABLE_PREFETCH",
     "UTC",
     "StoreResultHook",
     "StrEnum",
@@ -178,6 +179,14 @@ def _context_hook_request() -> type:
 
     ContextHookRequest.__module__ = __name__
     return ContextHookRequest
+
+
+# -- Celery: the gevent pool ---------------------------------------------------------------------
+
+#: Celery 5.6's gevent pool reports its running greenlets as its size (``num_processes``), and
+#: ``worker_disable_prefetch`` takes a message only while fewer are reserved than that: an idle
+#: worker never takes one. Celery 5.7 reports the pool's limit (5.5 has no such setting).
+GEVENT_POOL_CANNOT_DISABLE_PREFETCH = CELERY_VERSION[:2] == (5, 6)
 
 
 # -- Celery: ignored results --------------------------------------------------------------------

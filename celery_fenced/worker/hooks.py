@@ -26,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from .. import events
 from ..apps import first_time
-from ..compat import active_apps, maintain_pool, pool_processes, registered_tasks
+from ..compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH, active_apps, maintain_pool, pool_processes, registered_tasks
 from ..conf import ensure_conf, exit_in_one_line
 from ..exceptions import ConfigurationError
 from ..reaper import REAP_TASK_NAME
@@ -100,6 +100,13 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
     if kind in UNSUPPORTED_POOLS:
         raise ConfigurationError(f"celery-fenced does not support the {kind} pool: {UNSUPPORTED_POOLS[kind]}")
     if kind == "gevent":
+        if GEVENT_POOL_CANNOT_DISABLE_PREFETCH and app.conf.worker_disable_prefetch:
+            raise ConfigurationError(
+                "worker_disable_prefetch on Celery 5.6's gevent pool takes no message at all (the pool "
+                "reports its running greenlets as its size; Celery 5.7 fixed it): unset it for this "
+                "worker (a gevent worker holds at most one message beyond its running tasks), or "
+                "upgrade Celery"
+            )
         greenlets.check_patched()
     if not is_fenced(app):
         fenced = sorted(name for name, task in registered_tasks(app).items() if _is_fenced(task))

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_fenced.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
 from celery_fenced.keys import KeySpace
 from tests.support.processes import CeleryProcess, wait_until
 from tests.support.redis_server import RedisServer, default_binary
@@ -157,6 +158,10 @@ class Cluster:
             "-E",
             *(["-Q", queues] if queues else []),
         ]
+        if pool == "gevent" and GEVENT_POOL_CANNOT_DISABLE_PREFETCH:
+            # Celery 5.6's gevent pool takes no message with prefetch disabled (the worker says
+            # so and stops): late acks, as on Celery 5.5, keep a stuck greenlet's slot counted.
+            settings = {"worker_disable_prefetch": False, "task_acks_late": True, **settings}
         env = {**self.env(**settings), **(environ or {})}
         proc = CeleryProcess(name, argv, env, self.tmp_path / f"{name}.log", " ready.")
         self.processes.append(proc)

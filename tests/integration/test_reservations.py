@@ -145,4 +145,4 @@ def test_a_backlog_is_not_a_failure(cluster: Cluster) -> None:
 def test_a_worker_killed_with_prefetched_messages_on_rabbitmq(cluster: Cluster) -> None:
     if rabbitmq_url() is None:
         pytest.skip("needs FENCED_TEST_BROKER=rabbitmq (the broker-rabbitmq tox env) and a RabbitMQ on 127.0.0.1:5672")
-    test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster)
+    test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster, pool="prefork", prefetched=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from celery_fenced.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
 from tests.integration.conftest import Cluster
 from tests.support.processes import wait_until
 
@@ -16,6 +17,8 @@ def start_and_fail(cluster: Cluster, *, pool: str = "prefork", patched: bool = T
     ``patched=False`` starts it through ``app.worker_main()`` instead of the celery command.
     """
     cluster.app()
+    if pool == "gevent" and GEVENT_POOL_CANNOT_DISABLE_PREFETCH:  # refused for that first (see below)
+        settings = {"worker_disable_prefetch": False, **settings}
     env = cluster.env(**settings)
     from tests.support.processes import CeleryProcess
 
@@ -50,3 +53,9 @@ def test_a_gevent_worker_that_gevent_did_not_patch_is_refused(cluster: Cluster) 
     # Celery's worker_main() starts the gevent pool without the celery command's monkey patching.
     log = start_and_fail(cluster, pool="gevent", patched=False)
     assert "the gevent pool needs gevent's monkey patching, and socket, select, threading, time are not patched" in log
+
+
+@pytest.mark.skipif(not GEVENT_POOL_CANNOT_DISABLE_PREFETCH, reason="only Celery 5.6's gevent pool has this fault")
+def test_disabled_prefetch_on_celery_56s_gevent_pool_stops_the_worker_saying_why(cluster: Cluster) -> None:
+    log = start_and_fail(cluster, pool="gevent", worker_disable_prefetch=True)
+    assert "worker_disable_prefetch on Celery 5.6's gevent pool takes no message at all" in log

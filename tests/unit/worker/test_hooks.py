@@ -54,6 +54,18 @@ def test_the_eventlet_pool_is_refused_in_one_line_saying_why(fenced_app: Celery)
         hooks.check_worker(fenced_app, EventletPool)
 
 
+def test_disabled_prefetch_on_celery_56s_gevent_pool_is_refused_in_one_line(
+    fenced_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hooks, "GEVENT_POOL_CANNOT_DISABLE_PREFETCH", True)  # Celery 5.6's fact
+    fenced_app.conf.worker_disable_prefetch = True
+    with pytest.raises(ConfigurationError, match=r"worker_disable_prefetch on Celery 5\.6's gevent pool takes no"):
+        hooks.check_worker(fenced_app, GeventPool)
+    fenced_app.conf.worker_disable_prefetch = False
+    with pytest.raises(ConfigurationError, match="monkey patching"):  # past that check, to the next
+        hooks.check_worker(fenced_app, GeventPool)
+
+
 def test_a_gevent_pool_in_a_process_gevent_did_not_patch_is_refused(fenced_app: Celery) -> None:
     # This test process is not monkey-patched, as a worker started by app.worker_main() is not.
     with pytest.raises(ConfigurationError, match=r"needs gevent.s monkey patching.*celery -A proj worker -P gevent"):

@@ -6,6 +6,8 @@ lease and the result always share a Redis Cluster slot::
     celery-task-meta-<task_id>                       the result (Celery's key, unchanged)
     <prefix>:lease:{celery-task-meta-<task_id>}      the lease hash
     <prefix>:token                                   the global fencing-token counter
+    <prefix>:token:epoch                             the replication id of the primary whose
+                                                     token epoch it is (a failover begins another)
     <prefix>:leases                                  sorted set: lease key -> next due time (ms)
     <prefix>:metrics                                 hash: cluster-wide metric totals
     <prefix>:gaps                                    hash: stage -> newest longest-gap samples
@@ -46,6 +48,11 @@ class KeySpace:
     def token(self) -> str:
         """The global fencing-token counter."""
         return f"{self.prefix}:token"
+
+    @property
+    def token_epoch(self) -> str:
+        """The replication id of the server that hands out tokens now (``begin_epoch.lua``)."""
+        return f"{self.prefix}:token:epoch"
 
     @property
     def index(self) -> str:

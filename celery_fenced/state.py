@@ -20,10 +20,12 @@ __all__ = [
     "SCRIPT_OUTCOMES",
     "AcquireOutcome",
     "AcquireResult",
+    "BeginEpochOutcome",
     "CancelOutcome",
     "Checkpoint",
     "ClaimOutcome",
     "ClaimResult",
+    "ConfirmEpochOutcome",
     "LapseNowOutcome",
     "LapseOutcome",
     "LeaseState",
@@ -159,7 +161,20 @@ class RestoreOutcome(StrEnum):
     EXISTS = "exists"
 
 
-#: The outcome enum of each script that answers with a code.
+class BeginEpochOutcome(StrEnum):
+    """What ``begin_epoch.lua`` answered."""
+
+    CURRENT = "current"
+    BEGUN = "begun"
+
+
+class ConfirmEpochOutcome(StrEnum):
+    """What ``confirm_epoch.lua`` answered."""
+
+    CONFIRMED = "confirmed"
+    OTHER = "other"
+
+
 class ReserveOutcome(StrEnum):
     """What ``reserve.lua`` answered for one received message."""
 
@@ -167,6 +182,7 @@ class ReserveOutcome(StrEnum):
     LEFT = "left"
 
 
+#: The outcome enum of each script that answers with a code.
 SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "acquire": AcquireOutcome,
     "reserve": ReserveOutcome,
@@ -179,6 +195,8 @@ SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "redrive": RedriveOutcome,
     "lapse_now": LapseNowOutcome,
     "restore": RestoreOutcome,
+    "begin_epoch": BeginEpochOutcome,
+    "confirm_epoch": ConfirmEpochOutcome,
 }
 
 

@@ -20,6 +20,12 @@
 --                                       stored_version is nil), so a late call never moves
 --                                       them back; details ("" = unchanged) whenever given
 --                                       (the caller has checked the owner)
+-- this_primary()                        this server's replication id (master_replid) and
+--                                       how many replicas it has connected; a promoted
+--                                       replica, and a restarted server, take a new id
+-- in_token_epoch(epoch_key)             true when the token epoch was begun and confirmed
+--                                       on this server (begin_epoch.lua): only then may a
+--                                       script hand out a token
 
 local function now_ms_text()
   local t = redis.call('TIME')
@@ -30,6 +36,15 @@ end
 
 local function now_ms()
   return tonumber(now_ms_text())
+end
+
+local function this_primary()
+  local info = redis.call('INFO', 'replication')
+  return string.match(info, 'master_replid:(%x+)'), tonumber(string.match(info, 'connected_slaves:(%d+)') or '0')
+end
+
+local function in_token_epoch(epoch_key)
+  return redis.call('GET', epoch_key) == this_primary()
 end
 
 local function int_arg(n)

@@ -3,6 +3,7 @@
 -- KEYS[1]  lease hash        <prefix>:lease:{<result key>}
 -- KEYS[2]  token counter     <prefix>:token (global, never expires)
 -- KEYS[3]  expiry index      <prefix>:leases (sorted set, a hint for the reaper)
+-- KEYS[4]  token epoch       <prefix>:token:epoch (the primary that hands out tokens now)
 -- ARGV[1]  ownerId           "<hostname>/<pid>/<attempt id>", unique per execution
 -- ARGV[2]  lease ttl, ms
 -- ARGV[3]  taskName
@@ -19,7 +20,9 @@
 -- `checkpoint` field: the previous owner's stage and details when it published progress,
 -- else the checkpoint it was given itself. "" when no owner published any.
 --
--- Returns the new token alone, an integer, for a first delivery (no lease: the common case,
+-- Returns "new-epoch", having written nothing, on a server that has not begun the token epoch
+-- (a promoted replica, a restarted server: begin_epoch.lua, then ask again). Otherwise the
+-- new token alone, an integer, for a first delivery (no lease: the common case,
 -- "new" with attempt 1 and no takeovers; a table would cost the server more than the rest
 -- of that path), and otherwise {code, previous status or "", the lease's snapshot() as a
 -- flat list (who holds it, for a delivery that does not run), checkpoint}, the code one of:
@@ -33,6 +36,10 @@
 --                signature re-applied) starts a new run instead, answered "new"; a cancelled
 --                task and a delivery without a publish id are never run again
 --   "abandoned"  taken over too often: do not run
+
+if not in_token_epoch(KEYS[4]) then
+  return 'new-epoch'
+end
 
 local now_arg = now_ms_text()
 local now = tonumber(now_arg)

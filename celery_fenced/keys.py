@@ -12,6 +12,9 @@ lease and the result always share a Redis Cluster slot::
     <prefix>:metrics                                 hash: cluster-wide metric totals
     <prefix>:gaps                                    hash: stage -> newest longest-gap samples
     <prefix>:abandoned                               sorted set: abandoned lease key -> time (ms)
+    <prefix>:workers                                 sorted set: worker hostname -> alive until (ms)
+    <prefix>:reserved:<hostname>                     sorted set: a worker's reservations' lease
+                                                     keys -> reservation due (ms)
 
 Celery's ``result_backend_transport_options['global_keyprefix']`` is put in front of all
 of them, as Celery puts it in front of the result key.
@@ -73,6 +76,15 @@ class KeySpace:
     def metrics(self) -> str:
         """The cluster-wide metric totals (a hash written by every process)."""
         return f"{self.prefix}:metrics"
+
+    @property
+    def workers(self) -> str:
+        """The liveness records of the workers' main processes: hostname -> alive until (ms)."""
+        return f"{self.prefix}:workers"
+
+    def reserved_by(self, hostname: str) -> str:
+        """The lease keys of the reservations a worker made that are not yet due."""
+        return f"{self.prefix}:reserved:{hostname}"
 
     def result(self, task_id: str) -> str:
         """Celery's result key for a task."""

@@ -28,6 +28,7 @@ __all__ = [
     "ConfirmEpochOutcome",
     "LapseNowOutcome",
     "LapseOutcome",
+    "LapseWorkerOutcome",
     "LeaseState",
     "LeaseStatus",
     "ProgressReport",
@@ -175,6 +176,14 @@ class ConfirmEpochOutcome(StrEnum):
     OTHER = "other"
 
 
+class LapseWorkerOutcome(StrEnum):
+    """What ``lapse_worker.lua`` answered."""
+
+    LAPSED = "lapsed"
+    ALIVE = "alive"
+    UNKNOWN = "unknown"
+
+
 class ReserveOutcome(StrEnum):
     """What ``reserve.lua`` answered for one received message."""
 
@@ -197,6 +206,7 @@ SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "restore": RestoreOutcome,
     "begin_epoch": BeginEpochOutcome,
     "confirm_epoch": ConfirmEpochOutcome,
+    "lapse_worker": LapseWorkerOutcome,
 }
 
 

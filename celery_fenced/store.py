@@ -32,6 +32,7 @@ from .state import (
     ConfirmEpochOutcome,
     LapseNowOutcome,
     LapseOutcome,
+    LapseWorkerOutcome,
     LeaseState,
     LeaseStatus,
     ProgressReport,
@@ -128,7 +129,7 @@ class LeaseStore:
         """
         if not reservations:
             return []
-        keys = [self.keys.index]
+        keys = [self.keys.index, self.keys.reserved_by(reserved_by)]
         args: list[Any] = [reserved_by]
         for item in reservations:
             keys.append(self.keys.lease(_require_task_id(item.task_id)))
@@ -143,6 +144,38 @@ class LeaseStore:
         if len(keys) == 1:
             return 0
         return int(self.scripts.lapse_reserved(keys=keys, args=[reserved_by]))
+
+    def worker_alive(self, hostname: str, ttl_ms: int) -> None:
+        """Renew the liveness record of a worker's main process for ``ttl_ms``."""
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
+        self.scripts.worker_alive(keys=[self.keys.workers], args=[hostname, ttl_ms])
+
+    def worker_left(self, hostname: str) -> None:
+        """A worker stopped: remove its liveness record (its reservations wait for their start timeout)."""
+        self.scripts.worker_left(keys=[self.keys.workers, self.keys.reserved_by(hostname)], args=[hostname])
+
+    def lapse_dead_workers(self) -> dict[str, int]:
+        """Make the reservations of every worker whose liveness record lapsed due now.
+
+        Returns:
+            ``{hostname: reservations made due}`` for each worker found dead.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.keys.workers, 0, 0, withscores=True)  # the record that lapses first
+        (seconds, micros), first = pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        if not first or first[0][1] > now_ms:
+            return {}
+        lapsed = {}
+        for member in self.client.zrangebyscore(self.keys.workers, "-inf", now_ms):
+            hostname = as_text(member)
+            keys = [self.keys.workers, self.keys.index, self.keys.reserved_by(hostname)]
+            code, count = self.scripts.lapse_worker(keys=keys, args=[hostname])
+            if outcome(LapseWorkerOutcome, "lapse_worker", code) == LapseWorkerOutcome.LAPSED:
+                lapsed[hostname] = int(count)
+        return lapsed
 
     # -- owner side ---------------------------------------------------------------------
 

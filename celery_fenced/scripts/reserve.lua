@@ -7,9 +7,11 @@
 -- (cause "unstarted") and its recorded call sent again.
 --
 -- KEYS[1]    expiry index
--- KEYS[2..]  one lease hash per message
+-- KEYS[2]    the worker's reservations: sorted set of lease key -> reservation due (ms), for
+--            lapse_worker.lua; an entry already due leaves it (the index has it)
+-- KEYS[3..]  one lease hash per message
 -- ARGV[1]    reservedBy: the receiving worker's hostname
--- then five values per message, in the order of KEYS[2..]:
+-- then five values per message, in the order of KEYS[3..]:
 --            ms until the reservation expires (the eta's delay + the start timeout),
 --            taskName, the recorded call (JSON, may be ""), maxTakeovers, publishId (may be "")
 --
@@ -20,8 +22,9 @@
 -- Returns a list of codes, one per message: "reserved" | "left"
 local now = now_ms()
 local codes = {}
-for i = 2, #KEYS do
-  local at = 2 + (i - 2) * 5
+local mine = {}
+for i = 3, #KEYS do
+  local at = 2 + (i - 3) * 5
   local key = KEYS[i]
   local expires_at = now + tonumber(ARGV[at])
   local status = redis.call('HGET', key, 'status')
@@ -39,14 +42,22 @@ for i = 2, #KEYS do
     end
     redis.call('HSET', key, unpack(fields))
     redis.call('ZADD', KEYS[1], expires_at, key)
+    mine[#mine + 1] = expires_at
+    mine[#mine + 1] = key
     codes[#codes + 1] = 'reserved'
   elseif status == 'RESERVED' or status == 'REQUEUED' then
     redis.call('HSET', key, 'status', 'RESERVED', 'reservedBy', ARGV[1], 'reservedAt', now,
       'leaseExpireAt', expires_at)
     redis.call('ZADD', KEYS[1], expires_at, key)
+    mine[#mine + 1] = expires_at
+    mine[#mine + 1] = key
     codes[#codes + 1] = 'reserved'
   else
     codes[#codes + 1] = 'left'
   end
 end
+if #mine > 0 then
+  redis.call('ZADD', KEYS[2], unpack(mine))
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 return codes

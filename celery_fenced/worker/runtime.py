@@ -37,6 +37,7 @@ from ..writes import set_hook
 from .attempt import after_write
 from .fork_guard import FORK_GUARD
 from .listener import WorkerListener
+from .liveness import LivenessRecord
 from .reaper_thread import ReaperThread
 from .reservations import ReservationWriter
 
@@ -53,6 +54,7 @@ class WorkerRuntime:
         pid: the process it belongs to.
         reaper: the main process's reaper thread, once started.
         reservations: the main process's reservation writer, once started.
+        liveness: the main process's liveness record, once started.
     """
 
     def __init__(self, app: Celery) -> None:
@@ -60,6 +62,7 @@ class WorkerRuntime:
         self.pid = os.getpid()
         self.reaper: ReaperThread | None = None
         self.reservations: ReservationWriter | None = None
+        self.liveness: LivenessRecord | None = None
         self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
 
@@ -79,16 +82,22 @@ class WorkerRuntime:
         return heartbeat
 
     def start_main_process_threads(self, hostname: str, hub: Any = None) -> None:
-        """The worker's main process: start the reaper thread and the reservation writer."""
+        """The worker's main process: start its liveness record, the reaper thread and the
+        reservation writer."""
+        self.liveness = LivenessRecord(self.app, hostname)
+        self.liveness.start()
         self.reaper = ReaperThread(self.app)
         self.reaper.start()
         self.reservations = ReservationWriter(self.app, hostname, on_dropped=self.reaper.wake, hub=hub)
         self.reservations.start()
 
     def stop(self) -> None:
-        """Stop the reservation writer, the reaper thread and the heartbeat, and join them."""
+        """Stop the reservation writer, the liveness record, the reaper thread and the heartbeat,
+        and join them."""
         if self.reservations is not None:
             self.reservations.stop()
+        if self.liveness is not None:
+            self.liveness.stop()
         if self.reaper is not None:
             self.reaper.stop()
         if self._heartbeat is not None:

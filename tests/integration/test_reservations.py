@@ -19,6 +19,9 @@ pytestmark = pytest.mark.integration
 
 PREFETCH = {"worker_disable_prefetch": False, "worker_prefetch_multiplier": 4}
 
+#: The test app's lease TTL and reaper interval (``fenced_app``), seconds.
+TTL, REAPER_INTERVAL = 3, 1
+
 
 def finished_once(cluster: Cluster, task_ids: list[str], timeout: float) -> None:
     """Every task SUCCESS within ``timeout``, its body run once, its result by its current token."""
@@ -46,19 +49,35 @@ def received_by(cluster: Cluster, task_ids: list[str], count: int) -> object:
 def test_a_worker_killed_with_prefetched_messages_loses_none_of_them(
     cluster: Cluster, pool: str, prefetched: int
 ) -> None:
+    """The start timeout is a minute; w1's liveness record lapses within the lease TTL, and the
+    reaper sends its reservations again at once: all back within TTL + reaper interval + run time."""
     app = cluster.app()
-    settings = dict(PREFETCH, fenced_start_timeout=4)
+    settings = dict(PREFETCH, fenced_start_timeout=60)
     w1 = cluster.worker("w1", pool=pool, concurrency=1, **settings)
     results = [app.steady.delay(20, 0.2) for _ in range(4)]  # 4 s each
     ids = [r.id for r in results]
     received_by(cluster, ids, prefetched)  # one runs, the others wait in w1's buffer
     held = [t for t in ids if lease(cluster, t).get("status") == "RESERVED"]
     w1.signal_group(signal.SIGKILL)
+    killed = time.monotonic()
     cluster.worker("w2", concurrency=2, **settings)
-    finished_once(cluster, ids, 60)
+    run_time = 4 * len(ids) / 2  # w2 runs them two at a time
+    finished_once(cluster, ids, TTL + REAPER_INTERVAL + run_time + 5 - (time.monotonic() - killed))
     assert len(held) == prefetched
     for task_id in held:  # the prefetched ones: sent again, run once, by w2
         assert [run["hostname"].split("@")[0] for run in cluster.runs(task_id)] == ["w2"]
+
+
+def test_a_live_workers_backlog_is_not_taken_for_a_dead_workers(cluster: Cluster) -> None:
+    """A backlog that waits four times the lease TTL: nothing is sent again while w1 lives."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=1, **dict(PREFETCH, fenced_start_timeout=60))
+    results = [app.steady.delay(15, 0.2) for _ in range(5)]  # 3 s each: the last waits 12 s
+    ids = [r.id for r in results]
+    finished_once(cluster, ids, 40)
+    assert all(len(cluster.runs(t)) == 1 for t in ids)
+    assert not cluster.results.hget("fenced:metrics", "owner_takeover_total|cause=unstarted")
+    assert all(int(lease(cluster, t).get("resends", 0)) == 0 and "claimCause" not in lease(cluster, t) for t in ids)
 
 
 def test_redis_restarted_with_prefetched_and_queued_tasks(own_cluster: Cluster) -> None:

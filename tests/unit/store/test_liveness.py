@@ -1,0 +1,78 @@
+"""worker_alive.lua, lapse_worker.lua and worker_left.lua: a dead worker's reservations are due at
+once; a live worker's backlog waits for its start timeout."""
+
+from __future__ import annotations
+
+import redis
+
+from celery_fenced.store import LeaseStore
+from tests.unit.store.helpers import acquire, claim, server_ms, wait_for
+from tests.unit.store.test_reserve import reservation
+
+HOUR = 3_600_000
+
+
+def due_at(store: LeaseStore, client: redis.Redis, task_id: str) -> float | None:
+    return client.zscore(store.keys.index, store.keys.lease(task_id))
+
+
+def test_a_live_workers_backlog_is_left_to_its_start_timeout(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.worker_alive("w1@host", HOUR)
+    store.reserve_many([reservation(f"t{n}", expires_in_ms=HOUR) for n in range(50)], "w1@host")
+    assert store.lapse_dead_workers() == {}
+    assert all(due_at(store, redis_client, f"t{n}") > server_ms(redis_client) + HOUR / 2 for n in range(50))  # type: ignore[operator]
+
+
+def test_a_lapsed_workers_unstarted_reservations_are_due_now_and_sent_again(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    store.worker_alive("dead@host", 50)
+    store.worker_alive("live@host", HOUR)
+    store.reserve_many([reservation(task_id, expires_in_ms=HOUR) for task_id in ("a", "b", "started")], "dead@host")
+    store.reserve_many([reservation("theirs", expires_in_ms=HOUR)], "live@host")
+    acquire(store, "started", owner="dead@host/1/x")  # one of them started before the worker died
+    wait_for(lambda: server_ms(redis_client) > 60 + int(redis_client.zscore(store.keys.workers, "dead@host") or 0))
+
+    assert store.lapse_dead_workers() == {"dead@host": 2}
+    now = server_ms(redis_client)
+    assert due_at(store, redis_client, "a") <= now and due_at(store, redis_client, "b") <= now  # type: ignore[operator]
+    assert due_at(store, redis_client, "theirs") > now + HOUR / 2  # type: ignore[operator]
+    assert store.read("started").status == "RUNNING"  # type: ignore[union-attr]
+    assert [(r.code, r.cause) for r in claim(store, "a", "b")] == [("requeued", "unstarted")] * 2
+    # The record and its set are gone: a second pass finds nothing to do.
+    assert redis_client.zscore(store.keys.workers, "dead@host") is None
+    assert not redis_client.exists(store.keys.reserved_by("dead@host"))
+    assert store.lapse_dead_workers() == {}
+
+
+def test_a_record_renewed_in_time_is_never_lapsed(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.worker_alive("w1@host", 200)
+    store.reserve_many([reservation("t1", expires_in_ms=HOUR)], "w1@host")
+    for _ in range(5):
+        store.worker_alive("w1@host", 200)
+        assert store.lapse_dead_workers() == {}
+    assert due_at(store, redis_client, "t1") > server_ms(redis_client) + HOUR / 2  # type: ignore[operator]
+
+
+def test_a_reservation_another_worker_took_since_is_left_to_it(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.worker_alive("dead@host", 50)
+    store.reserve_many([reservation("t1", expires_in_ms=HOUR)], "dead@host")
+    store.reserve_many([reservation("t1", expires_in_ms=HOUR)], "other@host")  # the message received again
+    wait_for(lambda: server_ms(redis_client) > 60 + int(redis_client.zscore(store.keys.workers, "dead@host") or 0))
+    assert store.lapse_dead_workers() == {"dead@host": 0}
+    assert store.read("t1").reserved_by == "other@host"  # type: ignore[union-attr]
+
+
+def test_a_workers_set_keeps_only_reservations_not_yet_due(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.reserve_many([reservation("soon", expires_in_ms=0)], "w1@host")
+    store.reserve_many([reservation("later", expires_in_ms=HOUR)], "w1@host")
+    members = {m.decode() for m in redis_client.zrange(store.keys.reserved_by("w1@host"), 0, -1)}
+    assert members == {store.keys.lease("later")}
+
+
+def test_a_worker_that_left_has_no_record(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.worker_alive("w1@host", 50)
+    store.reserve_many([reservation("t1", expires_in_ms=HOUR)], "w1@host")
+    store.worker_left("w1@host")
+    assert redis_client.zscore(store.keys.workers, "w1@host") is None
+    assert store.lapse_dead_workers() == {}

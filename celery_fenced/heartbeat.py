@@ -24,7 +24,7 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from . import metrics
-from .owner import LOCAL_EXPIRY_MARGIN, OwnedLease
+from .owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
 from .state import LapseOutcome, RenewOutcome, RenewRequest, RestoreOutcome
 from .store import LeaseStore
 
@@ -98,6 +98,10 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._store: LeaseStore | None = None
         self._waiting = default_interval  # the wait under way, seconds
+        # Leases given up on the local clock while Redis could not be reached, by task id: once
+        # it answers, one whose hash vanished meanwhile (a failover that lost writes) is written
+        # back for a takeover, or nobody would ever finish its task.
+        self._expired_unseen: dict[str, OwnedLease] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -137,8 +141,11 @@ class Heartbeat:
         self._leases[lease.owner_id] = weakref.ref(lease)
 
     def unregister(self, lease: OwnedLease) -> None:
-        """Stop serving a lease."""
+        """Stop serving a lease; one given up on the local clock is looked at once Redis answers
+        (:meth:`_write_back_vanished`)."""
         self._leases.pop(lease.owner_id, None)
+        if lease.lost_reason == EXPIRED_LOCALLY:
+            self._expired_unseen[lease.task_id] = lease  # one dict operation: no lock needed
 
     def leases(self) -> list[OwnedLease]:
         """The leases served now."""
@@ -171,6 +178,8 @@ class Heartbeat:
     def tick(self) -> None:
         """One pass over every lease served: check progress, renew or apply ``on_stall``."""
         now = self._clock()
+        if self._expired_unseen:
+            self._write_back_vanished()
         batch: list[tuple[OwnedLease, bool]] = []
         for lease in self.leases():
             if lease.ended or lease.lost_reason is not None:
@@ -236,7 +245,12 @@ class Heartbeat:
     def _lapse(self, lease: OwnedLease, mode: str, bound: str) -> bool:
         try:
             progress, _ = lease.report(self._clock())
-            code = self._get_store().lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
+            store = self._get_store()
+            code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
+            if code == LapseOutcome.MISSING and self._restore(lease):
+                # Its hash vanished (a failover that lost writes): written back, then given up,
+                # so the reaper still takes the task over.
+                code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False
@@ -265,7 +279,7 @@ class Heartbeat:
             self._store = None
             for lease, _ in batch:
                 if sent - lease.renewed > lease.policy.lease_ttl * (1 - LOCAL_EXPIRY_MARGIN):
-                    self._lose(lease, "expired: no renewal within the lease ttl")
+                    self._lose(lease, EXPIRED_LOCALLY)
             return
         renewed = []
         for (lease, _), (_, details), code in zip(batch, reports, codes, strict=True):
@@ -324,10 +338,47 @@ class Heartbeat:
         )
         return True
 
+    def _write_back_vanished(self) -> None:
+        """For each lease given up on the local clock: if its hash vanished meanwhile (a failover
+        that lost writes, an eviction), write it back and give it up, so the reaper re-sends the
+        task at once. Where Redis still does not answer, the rest wait for the next tick."""
+        store = self._get_store()
+        for task_id, lease in list(self._expired_unseen.items()):
+            try:
+                if store.owner_token(task_id) is None:
+                    written = store.restore(
+                        task_id,
+                        lease.owner_id,
+                        lease.token,
+                        ttl_ms=lease.policy.lease_ttl_ms,
+                        task_name=lease.task_name,
+                        call=lease.call,
+                        attempt=lease.attempt,
+                        takeovers=lease.takeovers,
+                        max_takeovers=lease.policy.max_takeovers,
+                        stage=lease.stage or "",
+                    )
+                    if written == RestoreOutcome.RESTORED:
+                        progress, _ = lease.report(self._clock())
+                        store.lapse(task_id, lease.owner_id, lease.token, mode="release", progress=progress)
+                        logger.warning(
+                            "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
+                            "Redis while this owner could not renew it",
+                            lease.task_name,
+                            task_id,
+                            lease.token,
+                        )
+                        self._listener.released(lease)
+            except RedisError:
+                self._store = None
+                return
+            self._expired_unseen.pop(task_id, None)
+
     def _lose(self, lease: OwnedLease, reason: str) -> bool:
         """Mark a lease lost, log it once and tell the listener; True the first time."""
+        first = lease.mark_lost(reason)
         self.unregister(lease)
-        if not lease.mark_lost(reason):
+        if not first:
             return False
         logger.warning(
             "lease lost: task %s[%s] stage=%s token=%s: %s",

@@ -38,6 +38,7 @@ from .names import NameMemo
 from .state import Checkpoint, ProgressReport
 
 __all__ = [
+    "EXPIRED_LOCALLY",
     "LOCAL_EXPIRY_MARGIN",
     "OwnedLease",
     "StageDeadline",
@@ -49,6 +50,10 @@ __all__ = [
 
 #: Fraction of the TTL kept as a safety margin by the owner's local expiry check.
 LOCAL_EXPIRY_MARGIN = 0.1
+
+#: Why an owner gave its lease up on its own clock: no renewal came within the TTL (Redis
+#: unreachable, a pause). Nobody refused it: the lease may still be there, or may have vanished.
+EXPIRED_LOCALLY = "expired: no renewal within the lease ttl"
 
 _DETAIL_TYPES = frozenset({str, int, float, bool, type(None)})
 _monotonic = time.monotonic
@@ -269,9 +274,8 @@ class OwnedLease(WeakrefSlot):
         if now is None:
             now = time.monotonic()
         if now - self.renewed > self.expiry_window:
-            reason = "expired: no renewal within the lease ttl"
-            self.mark_lost(reason)
-            raise LeaseLostError(self.task_id, self.token, self.lost_reason or reason)
+            self.mark_lost(EXPIRED_LOCALLY)
+            raise LeaseLostError(self.task_id, self.token, self.lost_reason or EXPIRED_LOCALLY)
 
     def begin_block(self, block: StageDeadline) -> None:
         """A ``deadline()`` or ``stream()`` block begins: its deadlines replace the stage's."""

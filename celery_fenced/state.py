@@ -166,6 +166,7 @@ class BeginEpochOutcome(StrEnum):
     """What ``begin_epoch.lua`` answered."""
 
     CURRENT = "current"
+    MOVED = "moved"
     BEGUN = "begun"
 
 

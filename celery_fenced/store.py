@@ -246,7 +246,8 @@ class LeaseStore:
             code, replicas = self.scripts.begin_epoch(
                 keys=[self.keys.token, self.keys.token_epoch], args=[TOKEN_EPOCH_JUMP], client=one
             )
-            if outcome(BeginEpochOutcome, "begin_epoch", code) == BeginEpochOutcome.CURRENT:
+            begun = outcome(BeginEpochOutcome, "begin_epoch", code)
+            if begun == BeginEpochOutcome.CURRENT:
                 return
             replicas = int(replicas)
             if replicas:
@@ -262,7 +263,12 @@ class LeaseStore:
             (code,) = self.scripts.confirm_epoch(keys=[self.keys.token_epoch], client=one)
         if outcome(ConfirmEpochOutcome, "confirm_epoch", code) == ConfirmEpochOutcome.OTHER:
             return  # another failover: the caller's next call begins that server's epoch
-        logger.info("this Redis server hands out fencing tokens now: they moved on by %d", TOKEN_EPOCH_JUMP)
+        if begun == BeginEpochOutcome.MOVED:
+            logger.warning(
+                "a Redis server that did not hand out the last fencing tokens (a promoted replica, a restart) "
+                "hands them out now: they moved on by %d, past any the previous one handed out",
+                TOKEN_EPOCH_JUMP,
+            )
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:
         """Renew many leases of one process in one round trip, publishing their progress; one

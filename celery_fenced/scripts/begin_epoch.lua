@@ -20,16 +20,20 @@
 --
 -- Returns {code, connected replicas}, the code one of:
 --   "current"  the epoch is this server's and confirmed: nothing written
---   "begun"    the counter moved on now (or had, by another caller): the epoch key was written
---              on this call's connection, so a WAIT on it waits for the move as well
+--   "moved"    this call moved the counter on
+--   "begun"    another call moved it already, or the counter was never used
+-- For "moved" and "begun" the epoch key was written on this call's connection, so a WAIT on
+-- it waits for the move as well.
 local replid, replicas = this_primary()
 local epoch = redis.call('GET', KEYS[2])
 if epoch == replid then
   return {'current', replicas}
 end
 local begun = replid .. ' begun'
+local code = 'begun'
 if epoch ~= begun and (epoch or tonumber(redis.call('GET', KEYS[1]) or '0') > 0) then
   redis.call('INCRBY', KEYS[1], ARGV[1])
+  code = 'moved'
 end
 redis.call('SET', KEYS[2], begun)
-return {'begun', replicas}
+return {code, replicas}

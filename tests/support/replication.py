@@ -222,6 +222,13 @@ class ReplicatedRedis:
         ]
 
     def start(self) -> ReplicatedRedis:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> ReplicatedRedis:
         self.primary.start()
         self.proxy.target_port = self.primary.port  # the primary may have moved to a free port
         self.proxy.start()
@@ -237,8 +244,9 @@ class ReplicatedRedis:
         return [("127.0.0.1", sentinel.port) for sentinel in self.sentinels]
 
     def sentinel_url(self, scheme: str, db: int) -> str:
-        """``sentinel://…;sentinel://…/db`` (``scheme`` is put in front, e.g. ``fenced+``)."""
-        return ";".join(f"{scheme}sentinel://127.0.0.1:{sentinel.port}/{db}" for sentinel in self.sentinels)
+        """``sentinel://…/db;sentinel://…/db`` (``scheme`` is put in front, e.g. ``fenced+``): Celery
+        reads the database from the first address, kombu from the last."""
+        return scheme + ";".join(f"sentinel://127.0.0.1:{sentinel.port}/{db}" for sentinel in self.sentinels)
 
     def primary_port(self) -> int:
         """The port of the primary as the Sentinels name it now."""
@@ -304,9 +312,8 @@ class ReplicatedRedis:
         try:
             for sentinel in self.sentinels:
                 with sentinel.client() as client:
-                    master = client.execute_command("SENTINEL", "master", MASTER_NAME)
-                    fields = dict(zip(master[::2], master[1::2], strict=True))
-                    if int(fields[b"num-slaves"]) < 1 or int(fields[b"num-other-sentinels"]) < 2:
+                    master = client.sentinel_master(MASTER_NAME)
+                    if int(master["num-slaves"]) < 1 or int(master["num-other-sentinels"]) < 2:
                         return False
             return True
         except redis.RedisError:

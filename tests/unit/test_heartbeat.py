@@ -8,11 +8,13 @@ from dataclasses import replace
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_fenced.conf import FencedConfig
 from celery_fenced.heartbeat import Heartbeat
 from celery_fenced.keys import KeySpace
-from celery_fenced.owner import OwnedLease
+from celery_fenced.owner import EXPIRED_LOCALLY, OwnedLease
 from celery_fenced.store import LeaseStore
 
 OWNER = "host/1/a"
@@ -256,3 +258,56 @@ def test_past_max_task_duration_the_listener_is_told_instead_of_a_renewal(store:
     lease.last_progress = now[0]
     beat.tick()
     assert listener.exceeded == ["t1"] and listener.renewals == []
+
+
+# -- a lease that vanished (a failover that lost writes) and an owner that cannot finish it -----
+
+
+def test_a_stalled_owner_whose_lease_vanished_writes_it_back_and_gives_it_up(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "release", now[0])
+    lease.call = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {}}
+    beat = clocked(store, listener, now, lease)
+    redis_client.delete(store.keys.lease("t1"))  # lost with a failover
+    now[0] += 5.5
+    beat.tick()  # renewed: written back
+    now[0] += 0.5
+    beat.tick()  # stalled: given up, so the reaper takes the task over
+    state = store.read("t1")
+    assert state is not None and state.status == "LAPSED" and state.call == lease.call
+    assert listener.releases == ["t1"]
+
+
+@pytest.mark.parametrize("vanished", [True, False])
+def test_a_lease_given_up_while_redis_was_unreachable_is_written_back_once_it_answers_if_it_vanished(
+    redis_client: redis.Redis, vanished: bool
+) -> None:
+    address = redis_client.connection_pool.connection_kwargs
+    # A client that gives up at once while the server does not answer.
+    client = redis.Redis(host=address["host"], port=address["port"], socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    store = LeaseStore(client, KeySpace.build("fenced", "celery-task-meta-"))
+    now, listener = [100.0], RecordingListener()
+    lease = stalling(store, "release", now[0], fenced_default_stage_timeout=60)
+    lease.call = {"task": "proj.task", "args": [2], "kwargs": {}, "options": {}}
+    beat = clocked(store, listener, now, lease)
+    redis_client.client_pause(1000)  # Redis does not answer for a second
+    now[0] += lease.policy.lease_ttl  # no renewal got through within the TTL
+    beat.tick()
+    assert lease.lost_reason == EXPIRED_LOCALLY and beat.leases() == []
+    if vanished:
+        redis_client.delete(store.keys.lease("t1"))  # waits out the pause; the failover lost it meanwhile
+    else:
+        redis_client.ping()  # waits out the pause
+    beat.tick()
+    state = store.read("t1")
+    assert state is not None
+    if vanished:  # written back and given up: the reaper re-sends the task
+        assert state.status == "LAPSED" and state.call == lease.call and listener.releases == ["t1"]
+    else:  # still there: it expires, and the reaper takes it over as for any owner gone quiet
+        assert state.status == "RUNNING" and listener.releases == []
+    beat.tick()
+    assert listener.releases == (["t1"] if vanished else [])  # looked at once
+    store.close()
+    client.close()

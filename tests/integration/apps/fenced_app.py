@@ -39,7 +39,7 @@ app.conf.update(
     fenced_reaper_interval=1,
     fenced_requeue_timeout=5,
 )
-if app.conf.broker_url.startswith("redis") and CELERY_VERSION >= (5, 6):
+if app.conf.broker_url.startswith(("redis", "sentinel")) and CELERY_VERSION >= (5, 6):
     # Take a message only when a process is free: a worker whose only process is stuck
     # must not hold the re-sent message in its prefetch buffer (see docs/guarantees).
     app.conf.worker_disable_prefetch = True

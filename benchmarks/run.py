@@ -43,6 +43,7 @@ BENCHMARKS = [
     ),
     ("reaper sweep", ["reaper_sweep.py"], ["reaper_sweep.py", "--sizes", "10000", "--rounds", "1"]),
     ("takeover latency", ["takeover.py"], ["takeover.py", "--stalls", "6"]),
+    ("failover recovery", ["failover.py"], ["failover.py", "--rounds", "1"]),
 ]
 
 

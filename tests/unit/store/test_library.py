@@ -15,7 +15,7 @@ def defined(name: str) -> set[str]:
 
 
 def test_a_script_gets_only_the_library_functions_it_calls() -> None:
-    assert defined("acquire") == {"now_ms_text", "int_arg", "in_token_epoch", "this_primary"}
+    assert defined("acquire") == {"now_ms_text", "int_arg", "in_token_epoch"}
     assert defined("store") == {"now_ms_text", "int_arg", "write_result"}
 
 

@@ -12,8 +12,8 @@ lease and the result always share a Redis Cluster slot::
     <prefix>:metrics                                 hash: cluster-wide metric totals
     <prefix>:gaps                                    hash: stage -> newest longest-gap samples
     <prefix>:abandoned                               sorted set: abandoned lease key -> time (ms)
-    <prefix>:workers                                 sorted set: worker hostname -> alive until (ms)
-    <prefix>:reserved:<hostname>                     sorted set: a worker's reservations' lease
+    <prefix>:workers                                 sorted set: worker id -> alive until (ms)
+    <prefix>:reserved:<worker id>                    sorted set: a worker's reservations' lease
                                                      keys -> reservation due (ms)
 
 Celery's ``result_backend_transport_options['global_keyprefix']`` is put in front of all
@@ -79,12 +79,12 @@ class KeySpace:
 
     @property
     def workers(self) -> str:
-        """The liveness records of the workers' main processes: hostname -> alive until (ms)."""
+        """The liveness records of the workers' main processes: worker id -> alive until (ms)."""
         return f"{self.prefix}:workers"
 
-    def reserved_by(self, hostname: str) -> str:
-        """The lease keys of the reservations a worker made that are not yet due."""
-        return f"{self.prefix}:reserved:{hostname}"
+    def reserved_by(self, worker_id: str) -> str:
+        """The lease keys of the reservations one worker (one start of it) made, not yet due."""
+        return f"{self.prefix}:reserved:{worker_id}"
 
     def result(self, task_id: str) -> str:
         """Celery's result key for a task."""

@@ -81,10 +81,10 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
     backend = app.backend
     conf = ensure_conf(app)
     now_ms = None if now is None else int(now * 1000)
-    for hostname, count in store.lapse_dead_workers().items():
+    for dead, count in store.lapse_dead_workers().items():
         logger.warning(
             "worker %s is gone (its liveness record lapsed): its %d unstarted reservations are sent again now",
-            hostname,
+            dead,
             count,
         )
     task_ids = store.due_task_ids(limit + 1, now_ms=now_ms)

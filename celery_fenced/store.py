@@ -48,7 +48,16 @@ from .state import (
     as_text,
 )
 
-__all__ = ["EPOCH_WAIT_MS", "TOKEN_EPOCH_JUMP", "LeaseStore", "is_fenced", "lease_store_of", "outcome"]
+__all__ = [
+    "EPOCH_WAIT_MS",
+    "TOKEN_EPOCH_JUMP",
+    "LeaseStore",
+    "hostname_of",
+    "is_fenced",
+    "lease_store_of",
+    "outcome",
+    "worker_id_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +99,18 @@ def outcome(kind: type[E], script: str, code: Any) -> E:
         raise LeaseScriptError(f"{script}.lua answered an unknown code {as_text(code)!r}") from None
 
 
+def worker_id_of(hostname: str, pid: int, start: str) -> str:
+    """The id of one start of a worker: ``<hostname>/<pid>/<start>``. A worker restarted under
+    the same name (a supervisor, a container restarted in its pod) is another start: the dead
+    one's record still lapses, and its reservations are sent again."""
+    return f"{hostname}/{pid}/{start}"
+
+
+def hostname_of(worker_id: str) -> str:
+    """The hostname part of a :func:`worker_id_of` (the ``reservedBy`` of its reservations)."""
+    return worker_id.rsplit("/", 2)[0]
+
+
 def _require_task_id(task_id: Any) -> str:
     if not isinstance(task_id, str) or not task_id:
         raise ValueError(f"task_id must be a non-empty string, got {task_id!r}")
@@ -121,15 +142,19 @@ class LeaseStore:
 
     # -- the receiving worker's side ------------------------------------------------------
 
-    def reserve_many(self, reservations: Sequence[Reservation], reserved_by: str) -> list[ReserveOutcome]:
+    def reserve_many(
+        self, reservations: Sequence[Reservation], reserved_by: str, worker_id: str | None = None
+    ) -> list[ReserveOutcome]:
         """Record the reservations of messages one worker received, in one round trip.
 
         Only where no live lease exists: a missing lease, a reservation or a re-sent task's
-        becomes ``RESERVED`` by ``reserved_by``; any other is left alone.
+        becomes ``RESERVED`` by ``reserved_by`` (the worker's hostname); any other is left
+        alone. ``worker_id`` (:func:`worker_id_of`; the hostname when not given) names the start
+        of the worker whose liveness record answers for them.
         """
         if not reservations:
             return []
-        keys = [self.keys.index, self.keys.reserved_by(reserved_by)]
+        keys = [self.keys.index, self.keys.reserved_by(worker_id or reserved_by)]
         args: list[Any] = [reserved_by]
         for item in reservations:
             keys.append(self.keys.lease(_require_task_id(item.task_id)))
@@ -145,21 +170,21 @@ class LeaseStore:
             return 0
         return int(self.scripts.lapse_reserved(keys=keys, args=[reserved_by]))
 
-    def worker_alive(self, hostname: str, ttl_ms: int) -> None:
+    def worker_alive(self, worker_id: str, ttl_ms: int) -> None:
         """Renew the liveness record of a worker's main process for ``ttl_ms``."""
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
-        self.scripts.worker_alive(keys=[self.keys.workers], args=[hostname, ttl_ms])
+        self.scripts.worker_alive(keys=[self.keys.workers], args=[worker_id, ttl_ms])
 
-    def worker_left(self, hostname: str) -> None:
+    def worker_left(self, worker_id: str) -> None:
         """A worker stopped: remove its liveness record (its reservations wait for their start timeout)."""
-        self.scripts.worker_left(keys=[self.keys.workers, self.keys.reserved_by(hostname)], args=[hostname])
+        self.scripts.worker_left(keys=[self.keys.workers, self.keys.reserved_by(worker_id)], args=[worker_id])
 
     def lapse_dead_workers(self) -> dict[str, int]:
         """Make the reservations of every worker whose liveness record lapsed due now.
 
         Returns:
-            ``{hostname: reservations made due}`` for each worker found dead.
+            ``{worker id: reservations made due}`` for each worker found dead.
         """
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
@@ -170,11 +195,11 @@ class LeaseStore:
             return {}
         lapsed = {}
         for member in self.client.zrangebyscore(self.keys.workers, "-inf", now_ms):
-            hostname = as_text(member)
-            keys = [self.keys.workers, self.keys.index, self.keys.reserved_by(hostname)]
-            code, count = self.scripts.lapse_worker(keys=keys, args=[hostname])
+            dead = as_text(member)
+            keys = [self.keys.workers, self.keys.index, self.keys.reserved_by(dead)]
+            code, count = self.scripts.lapse_worker(keys=keys, args=[dead, hostname_of(dead)])
             if outcome(LapseWorkerOutcome, "lapse_worker", code) == LapseWorkerOutcome.LAPSED:
-                lapsed[hostname] = int(count)
+                lapsed[dead] = int(count)
         return lapsed
 
     # -- owner side ---------------------------------------------------------------------

@@ -1,13 +1,14 @@
 -- lapse_worker.lua: a worker's liveness record lapsed (worker_alive.lua): make the
 -- reservations it still holds due now, so the reaper sends them again at once.
 --
--- KEYS[1]  the workers: sorted set of hostname -> alive until (ms)
+-- KEYS[1]  the workers: sorted set of worker id -> alive until (ms)
 -- KEYS[2]  expiry index
 -- KEYS[3]  the worker's reservations: sorted set of lease key -> reservation due (ms)
--- ARGV[1]  the worker's hostname
+-- ARGV[1]  the worker's id ("<hostname>/<pid>/<start>": one start of the worker)
+-- ARGV[2]  its hostname (its reservations' reservedBy)
 --
--- Only a lease still RESERVED by this worker changes: one that started, or that another
--- worker reserved since, is left alone. The record and the worker's reservations set go.
+-- Only a lease still RESERVED by this worker's hostname changes: one that started, or that
+-- another worker reserved since, is left alone. The record and the worker's reservations set go.
 --
 -- Returns {code, reservations made due}, the code one of:
 --   "lapsed"  the record had lapsed: done
@@ -24,7 +25,7 @@ end
 local count = 0
 for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
   local f = redis.call('HMGET', key, 'status', 'reservedBy')
-  if f[1] == 'RESERVED' and f[2] == ARGV[1] then
+  if f[1] == 'RESERVED' and f[2] == ARGV[2] then
     redis.call('HSET', key, 'leaseExpireAt', now)
     redis.call('ZADD', KEYS[2], now, key)
     count = count + 1

@@ -4,8 +4,8 @@
 -- buffer, its eta timers). While its record is renewed, its reservations wait for the start
 -- timeout (a backlog); once the record lapses, lapse_worker.lua makes them due at once.
 --
--- KEYS[1]  the workers: sorted set of hostname -> alive until (ms)
--- ARGV[1]  the worker's hostname
+-- KEYS[1]  the workers: sorted set of worker id -> alive until (ms)
+-- ARGV[1]  the worker's id ("<hostname>/<pid>/<start>": one start of the worker)
 -- ARGV[2]  how long the record holds without renewal, ms
 --
 -- Returns the time the record holds until, ms.

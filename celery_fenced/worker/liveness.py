@@ -38,12 +38,13 @@ class LivenessRecord:
 
     Args:
         app: the worker's app (its result backend is the fenced one).
-        hostname: the worker's node name, as its reservations name it (``reservedBy``).
+        worker_id: this start of the worker (:func:`~celery_fenced.store.worker_id_of`), as its
+            reservations are recorded under it.
     """
 
-    def __init__(self, app: Celery, hostname: str) -> None:
+    def __init__(self, app: Celery, worker_id: str) -> None:
         self.app = app
-        self.hostname = hostname
+        self.worker_id = worker_id
         policy = ensure_conf(app).policy
         self.interval = policy.heartbeat_interval
         self.ttl_ms = policy.lease_ttl_ms
@@ -68,14 +69,14 @@ class LivenessRecord:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         try:
-            self._store().worker_left(self.hostname)
+            self._store().worker_left(self.worker_id)
         except Exception as exc:
-            logger.warning("could not remove the liveness record of %s (%r): it lapses by itself", self.hostname, exc)
+            logger.warning("could not remove the liveness record of %s (%r): it lapses by itself", self.worker_id, exc)
 
     def renew(self) -> None:
         """Renew the record once; an error is logged once while it lasts."""
         try:
-            self._store().worker_alive(self.hostname, self.ttl_ms)
+            self._store().worker_alive(self.worker_id, self.ttl_ms)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:

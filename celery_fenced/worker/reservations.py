@@ -66,6 +66,8 @@ class ReservationWriter:
     Args:
         app: the worker's app (its result backend is the fenced one).
         hostname: the worker's node name, recorded as ``reservedBy``.
+        worker_id: this start of the worker (:func:`~celery_fenced.store.worker_id_of`), whose
+            liveness record answers for its reservations (the hostname when not given).
         on_dropped: called after dropped reservations were made due (to wake the reaper).
         hub: the worker's event loop (kombu's ``Hub``), whose timer looks for the requests
             that did not start in time; without one, a timer thread does.
@@ -77,9 +79,11 @@ class ReservationWriter:
         hostname: str,
         on_dropped: Callable[[], None] | None = None,
         hub: Any = None,
+        worker_id: str | None = None,
     ) -> None:
         self.app = app
         self.hostname = hostname
+        self.worker_id = worker_id or hostname
         self.on_dropped = on_dropped
         self.start_timeout = ensure_conf(app).start_timeout
         self.written = 0  # reservations written
@@ -232,7 +236,7 @@ class ReservationWriter:
             return
         try:
             store = self._written_through = self._store()
-            self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname))
+            self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname, self.worker_id))
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:

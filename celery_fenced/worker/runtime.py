@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 from typing import Any
 
@@ -33,6 +34,7 @@ from .. import metrics
 from ..apps import all_records, record_of
 from ..conf import ensure_conf
 from ..heartbeat import Heartbeat
+from ..store import worker_id_of
 from ..writes import set_hook
 from .attempt import after_write
 from .fork_guard import FORK_GUARD
@@ -84,11 +86,14 @@ class WorkerRuntime:
     def start_main_process_threads(self, hostname: str, hub: Any = None) -> None:
         """The worker's main process: start its liveness record, the reaper thread and the
         reservation writer."""
-        self.liveness = LivenessRecord(self.app, hostname)
+        worker_id = worker_id_of(hostname, os.getpid(), secrets.token_hex(4))
+        self.liveness = LivenessRecord(self.app, worker_id)
         self.liveness.start()
         self.reaper = ReaperThread(self.app)
         self.reaper.start()
-        self.reservations = ReservationWriter(self.app, hostname, on_dropped=self.reaper.wake, hub=hub)
+        self.reservations = ReservationWriter(
+            self.app, hostname, on_dropped=self.reaper.wake, hub=hub, worker_id=worker_id
+        )
         self.reservations.start()
 
     def stop(self) -> None:

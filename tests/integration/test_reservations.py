@@ -47,7 +47,7 @@ def received_by(cluster: Cluster, task_ids: list[str], count: int) -> object:
 # holds one message beyond the running one; prefork's holds its whole prefetch.
 @pytest.mark.parametrize(("pool", "prefetched"), [("prefork", 3), ("gevent", 1)])
 def test_a_worker_killed_with_prefetched_messages_loses_none_of_them(
-    cluster: Cluster, pool: str, prefetched: int
+    cluster: Cluster, pool: str, prefetched: int, successor: str = "w2"
 ) -> None:
     """The start timeout is a minute; w1's liveness record lapses within the lease TTL, and the
     reaper sends its reservations again at once: all back within TTL + reaper interval + run time."""
@@ -60,12 +60,19 @@ def test_a_worker_killed_with_prefetched_messages_loses_none_of_them(
     held = [t for t in ids if lease(cluster, t).get("status") == "RESERVED"]
     w1.signal_group(signal.SIGKILL)
     killed = time.monotonic()
-    cluster.worker("w2", concurrency=2, **settings)
+    cluster.worker(successor, concurrency=2, **settings)
     run_time = 4 * len(ids) / 2  # w2 runs them two at a time
     finished_once(cluster, ids, TTL + REAPER_INTERVAL + run_time + 5 - (time.monotonic() - killed))
     assert len(held) == prefetched
-    for task_id in held:  # the prefetched ones: sent again, run once, by w2
-        assert [run["hostname"].split("@")[0] for run in cluster.runs(task_id)] == ["w2"]
+    for task_id in held:  # the prefetched ones: sent again, run once, by the successor
+        assert [run["hostname"].split("@")[0] for run in cluster.runs(task_id)] == [successor]
+
+
+def test_a_worker_killed_and_restarted_under_its_own_name_loses_none_of_its_prefetched_messages(
+    cluster: Cluster,
+) -> None:
+    """A supervisor restarts w1 under the same name at once: the dead start's record still lapses."""
+    test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster, "prefork", 3, successor="w1")
 
 
 def test_a_live_workers_backlog_is_not_taken_for_a_dead_workers(cluster: Cluster) -> None:

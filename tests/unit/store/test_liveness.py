@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from celery_fenced.store import LeaseStore
+from celery_fenced.store import LeaseStore, hostname_of, worker_id_of
 from tests.unit.store.helpers import acquire, claim, server_ms, wait_for
 from tests.unit.store.test_reserve import reservation
 
@@ -76,3 +76,19 @@ def test_a_worker_that_left_has_no_record(store: LeaseStore, redis_client: redis
     store.worker_left("w1@host")
     assert redis_client.zscore(store.keys.workers, "w1@host") is None
     assert store.lapse_dead_workers() == {}
+
+
+def test_a_worker_restarted_under_its_name_does_not_keep_its_dead_starts_reservations(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # A supervisor, or a container restarted in its pod: the same hostname, another start.
+    dead, restarted = worker_id_of("w1@host", 7, "aaaa"), worker_id_of("w1@host", 7, "bbbb")
+    store.worker_alive(dead, 50)
+    store.reserve_many([reservation("held", expires_in_ms=HOUR)], "w1@host", dead)
+    store.worker_alive(restarted, HOUR)
+    store.reserve_many([reservation("new", expires_in_ms=HOUR)], "w1@host", restarted)
+    wait_for(lambda: server_ms(redis_client) > 60 + int(redis_client.zscore(store.keys.workers, dead) or 0))
+    assert store.lapse_dead_workers() == {dead: 1}
+    assert due_at(store, redis_client, "held") <= server_ms(redis_client)  # type: ignore[operator]
+    assert due_at(store, redis_client, "new") > server_ms(redis_client) + HOUR / 2  # type: ignore[operator]
+    assert hostname_of(dead) == "w1@host"

@@ -22,10 +22,11 @@ from benchmarks._harness import Harness
 
 def populate(store, size: int, lapsed: int) -> None:  # type: ignore[no-untyped-def]
     client = store.client
+    store.begin_token_epoch()  # the pipelined acquires below hand out tokens on this server
     for start in range(0, size, 2000):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(size, start + 2000)):
-            keys = [store.keys.lease(f"t{i}"), store.keys.token, store.keys.index]
+            keys = [store.keys.lease(f"t{i}"), store.keys.token, store.keys.index, store.keys.token_epoch]
             store.scripts.acquire(keys=keys, args=["bench/1/a", 600_000, "bench", "", 3, "", ""], client=pipe)
         pipe.execute()
     pipe = client.pipeline(transaction=False)

@@ -312,8 +312,9 @@ class ReplicatedRedis:
         try:
             for sentinel in self.sentinels:
                 with sentinel.client() as client:
-                    master = client.sentinel_master(MASTER_NAME)
-                    if int(master["num-slaves"]) < 1 or int(master["num-other-sentinels"]) < 2:
+                    # INFO, not SENTINEL MASTER: redis-py 6.0's parser of that reply fails.
+                    master = client.info("sentinel")["master0"]
+                    if int(master["slaves"]) < 1 or int(master["sentinels"]) < 3:
                         return False
             return True
         except redis.RedisError:

@@ -312,18 +312,7 @@ class Heartbeat:
         if lease.ended or lease.lost_reason is not None:
             return False
         try:
-            code = self._get_store().restore(
-                lease.task_id,
-                lease.owner_id,
-                lease.token,
-                ttl_ms=lease.policy.lease_ttl_ms,
-                task_name=lease.task_name,
-                call=lease.call,
-                attempt=lease.attempt,
-                takeovers=lease.takeovers,
-                max_takeovers=lease.policy.max_takeovers,
-                stage=lease.stage or "",
-            )
+            code = _write_back(self._get_store(), lease)
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
             return False
@@ -345,30 +334,17 @@ class Heartbeat:
         store = self._get_store()
         for task_id, lease in list(self._expired_unseen.items()):
             try:
-                if store.owner_token(task_id) is None:
-                    written = store.restore(
+                if store.owner_token(task_id) is None and _write_back(store, lease) == RestoreOutcome.RESTORED:
+                    progress, _ = lease.report(self._clock())
+                    store.lapse(task_id, lease.owner_id, lease.token, mode="release", progress=progress)
+                    logger.warning(
+                        "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
+                        "Redis while this owner could not renew it",
+                        lease.task_name,
                         task_id,
-                        lease.owner_id,
                         lease.token,
-                        ttl_ms=lease.policy.lease_ttl_ms,
-                        task_name=lease.task_name,
-                        call=lease.call,
-                        attempt=lease.attempt,
-                        takeovers=lease.takeovers,
-                        max_takeovers=lease.policy.max_takeovers,
-                        stage=lease.stage or "",
                     )
-                    if written == RestoreOutcome.RESTORED:
-                        progress, _ = lease.report(self._clock())
-                        store.lapse(task_id, lease.owner_id, lease.token, mode="release", progress=progress)
-                        logger.warning(
-                            "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
-                            "Redis while this owner could not renew it",
-                            lease.task_name,
-                            task_id,
-                            lease.token,
-                        )
-                        self._listener.released(lease)
+                    self._listener.released(lease)
             except RedisError:
                 self._store = None
                 return
@@ -395,3 +371,19 @@ class Heartbeat:
         if self._store is None:
             self._store = self._store_factory()
         return self._store
+
+
+def _write_back(store: LeaseStore, lease: OwnedLease) -> RestoreOutcome:
+    """Write a vanished lease back as its owner holds it (``restore.lua``)."""
+    return store.restore(
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        ttl_ms=lease.policy.lease_ttl_ms,
+        task_name=lease.task_name,
+        call=lease.call,
+        attempt=lease.attempt,
+        takeovers=lease.takeovers,
+        max_takeovers=lease.policy.max_takeovers,
+        stage=lease.stage or "",
+    )

@@ -54,10 +54,11 @@ def stall_once(self: Any) -> str:
 
 
 @app.task(bind=True, base=ProgressLeasedTask)
-def fenced_short(self: Any, seconds: float) -> None:
-    """A short fenced task."""
+def fenced_short(self: Any, seconds: float) -> dict[str, int]:
+    """A short fenced task: it reports one progress detail and returns a small dict."""
     time.sleep(seconds)
-    self.progress("work")
+    self.progress("work", rows=1)
+    return {"rows": 1}
 
 
 @app.task(bind=True, base=ProgressLeasedTask)

@@ -17,9 +17,10 @@ app.conf.update(worker_prefetch_multiplier=1, worker_disable_prefetch=True, work
 
 
 @app.task
-def plain_short(seconds: float) -> None:
-    """The same short task as the fenced one, plain Celery."""
+def plain_short(seconds: float) -> dict[str, int]:
+    """The same short task as the fenced one, plain Celery (the same small dict returned)."""
     time.sleep(seconds)
+    return {"rows": 1}
 
 
 @app.task

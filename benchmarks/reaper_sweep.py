@@ -26,7 +26,9 @@ def populate(store, size: int, lapsed: int) -> None:  # type: ignore[no-untyped-
     for start in range(0, size, 2000):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(size, start + 2000)):
-            keys = [store.keys.lease(f"t{i}"), store.keys.token, store.keys.index, store.keys.token_epoch]
+            task_id = f"t{i}"
+            keys = [store.keys.lease(task_id), store.keys.token, store.keys.index, store.keys.token_epoch]
+            keys.append(store.keys.result(task_id))
             store.scripts.acquire(keys=keys, args=["bench/1/a", 600_000, "bench", "", 3, "", ""], client=pipe)
         pipe.execute()
     pipe = client.pipeline(transaction=False)

@@ -42,6 +42,11 @@ BENCHMARKS = [
         ["script_cost.py", "--tasks", "200", "--rounds", "1"],
     ),
     ("reaper sweep", ["reaper_sweep.py"], ["reaper_sweep.py", "--sizes", "10000", "--rounds", "1"]),
+    (
+        "finished tasks' memory, and the reaper's sweep among them",
+        ["finished_leases.py"],
+        ["finished_leases.py", "--finished", "20000", "--live", "2000", "--rounds", "1"],
+    ),
     ("takeover latency", ["takeover.py"], ["takeover.py", "--stalls", "6"]),
     ("failover recovery", ["failover.py"], ["failover.py", "--rounds", "1"]),
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -39,6 +40,7 @@ import redis
 
 from benchmarks._harness import Harness
 from benchmarks.throughput import redis_counters
+from celery_fenced.finished import FENCE_RUN, run_text
 from celery_fenced.harness import default_binary, free_port, wait_until
 from celery_fenced.keys import KeySpace
 from celery_fenced.store import LeaseStore
@@ -80,10 +82,11 @@ def fenced_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
     store = LeaseStore(client, KeySpace("fenced", "celery-task-meta-"))
     owner = "bench@host/1234/0a1b2c3d0"
     ids = [str(uuid.uuid4()) for _ in range(tasks)]
-    meta = json.dumps({**META, "fence_token": 1})
     figures: dict[str, float] = {}
     cpu = 0.0
     tokens: dict[str, int] = {}
+    publishes = {task_id: secrets.token_hex(8) for task_id in ids}
+    metas: dict[str, str] = {}
     for name in ("acquire", "store"):
         client.config_resetstat()
         before = cpu_seconds(client)
@@ -96,13 +99,16 @@ def fenced_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
                     task_name=CALL["task"],  # type: ignore[arg-type]
                     max_takeovers=3,
                     call=CALL,
-                    publish_id=uuid.uuid4().hex,
+                    publish_id=publishes[task_id],
                 ).token
+                # The meta as the fenced backend encodes it: the finished lease's fence last.
+                run = run_text(publishes[task_id], 1, 0)
+                metas[task_id] = json.dumps({**META, FENCE_RUN: run, "fence_token": tokens[task_id]})
             else:
                 store.store(
                     task_id,
                     tokens[task_id],
-                    meta,
+                    metas[task_id],
                     state="SUCCESS",
                     kind="ready",
                     expires_ms=86_400_000,

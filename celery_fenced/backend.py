@@ -38,6 +38,7 @@ from .compat import (
 )
 from .conf import ensure_conf
 from .exceptions import ConfigurationError, TaskAbandonedError
+from .finished import FENCE_RUN
 from .keys import KeySpace
 from .running import attempt_of
 from .scripts import threads_are_greenlets
@@ -192,14 +193,19 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         token = attempt.token_for(task_id) if attempt is not None else None
         meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = as_text(task_id)
-        if token is not None:
-            meta["fence_token"] = token
         if state in states.READY_STATES:
             kind = "ready"
         elif state == states.RETRY:
             kind = "retry"
         else:
             kind = "other"
+        if token is not None:
+            run = attempt.fence_run(task_id) if attempt is not None and kind == "ready" else None
+            if run is not None:
+                # The finished lease's compact form: the result carries its fence, last
+                # (celery_fenced.finished), and the lease hash is deleted with the write.
+                meta[FENCE_RUN] = run
+            meta["fence_token"] = token
         conf = ensure_conf(self.app)
         retry_delay = attempt.retry_delay if attempt is not None else 0.0
         store = partial(

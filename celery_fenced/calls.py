@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import uuid
 from typing import Any
 
@@ -86,7 +87,8 @@ def recorded_call(task: Any, request: Any) -> dict[str, Any] | None:
 def tag_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """``before_task_publish`` receiver: give each published message its publish id.
 
-    An id already there (a re-send of the reaper) is kept.
+    An id already there (a re-send of the reaper) is kept. 64 random bits: it tells apart the
+    publishes of one task id, and a finished task's result carries it (``fence_run``).
     """
     if headers is not None and PUBLISH_ID_HEADER not in headers:
-        headers[PUBLISH_ID_HEADER] = uuid.uuid4().hex
+        headers[PUBLISH_ID_HEADER] = secrets.token_hex(8)

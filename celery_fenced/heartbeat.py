@@ -247,10 +247,14 @@ class Heartbeat:
             progress, _ = lease.report(self._clock())
             store = self._get_store()
             code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
-            if code == LapseOutcome.MISSING and self._restore(lease):
-                # Its hash vanished (a failover that lost writes): written back, then given up,
-                # so the reaper still takes the task over.
-                code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
+            if code == LapseOutcome.MISSING:
+                restored = self._restore(lease)
+                if restored == RestoreOutcome.RESTORED:
+                    # Its hash vanished (a failover that lost writes): written back, then given
+                    # up, so the reaper still takes the task over.
+                    code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
+                elif restored is not None:
+                    code = restored.value  # finished, under this token or another
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
             return False
@@ -287,9 +291,20 @@ class Heartbeat:
                 lease.renewed_at(sent, details)
                 renewed.append(lease)
                 metrics.buffer.inc("owner_lease_renew_total")
-            elif code == RenewOutcome.MISSING and self._restore(lease):
-                lease.renewed_at(sent)
-                renewed.append(lease)
+            elif code == RenewOutcome.MISSING and (restored := self._restore(lease)) != RestoreOutcome.EXISTS:
+                # Written back (an eviction, a failover), or finished: a finished task's lease
+                # lives on in its result, which the restore reads.
+                if restored == RestoreOutcome.RESTORED:
+                    lease.renewed_at(sent)
+                    renewed.append(lease)
+                elif restored == RestoreOutcome.FINISHED and lease.body_done:
+                    self.unregister(lease)
+                elif restored is not None or not lease.ended:
+                    metrics.buffer.inc("owner_lease_renew_rejected_total")
+                    refused = restored.value if restored is not None else code
+                    self._lose(lease, f"renewal refused: {REFUSALS.get(refused, refused)}")
+                else:
+                    self.unregister(lease)  # its attempt ended meanwhile
             elif code in (RenewOutcome.FINISHED, RenewOutcome.CANCELLED) and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
@@ -301,8 +316,9 @@ class Heartbeat:
         if renewed:
             self._listener.renewed(renewed)
 
-    def _restore(self, lease: OwnedLease) -> bool:
-        """Write back a lease whose hash vanished (eviction, FLUSH, a failover): True if done.
+    def _restore(self, lease: OwnedLease) -> RestoreOutcome | None:
+        """Write back a lease whose hash vanished (eviction, FLUSH, a failover): what
+        ``restore.lua`` answered, ``None`` when it was not asked (or could not be).
 
         The owner keeps running under its token and the reaper can still re-send the task:
         neither stops in silence. Where another delivery acquired it meanwhile, the next
@@ -310,14 +326,14 @@ class Heartbeat:
         replacement, which deletes it) is left alone.
         """
         if lease.ended or lease.lost_reason is not None:
-            return False
+            return None
         try:
             code = _write_back(self._get_store(), lease)
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
-            return False
+            return None
         if code != RestoreOutcome.RESTORED:
-            return False
+            return code
         logger.warning(
             "lease restored: task %s[%s] token=%s: its hash had vanished from Redis (eviction, FLUSH "
             "or a failover that lost writes)",
@@ -325,7 +341,7 @@ class Heartbeat:
             lease.task_id,
             lease.token,
         )
-        return True
+        return code
 
     def _write_back_vanished(self) -> None:
         """For each lease given up on the local clock: if its hash vanished meanwhile (a failover

@@ -189,6 +189,7 @@ class OwnedLease(WeakrefSlot):
         announced_stage: the stage the last ``task-progress`` event carried.
         announced_details: the details object the last ``task-progress`` event carried.
         checkpoint: what an earlier owner of the task id published (``None`` on a first attempt).
+        publish_id: the ``apply_async`` whose message this attempt runs (``""`` when none).
     """
 
     task_id: str
@@ -210,6 +211,7 @@ class OwnedLease(WeakrefSlot):
     published_details: Mapping[str, Any] | None = None
     announced_details: Mapping[str, Any] | None = None
     checkpoint: Checkpoint | None = None
+    publish_id: str = ""
     lost_reason: str | None = None
     ended: bool = False
     retrying: bool = False

@@ -38,6 +38,10 @@ class RunningAttempt(Protocol):
     def owner_id(self) -> str:
         """The owner id of its lease (``""`` without one)."""
 
+    def fence_run(self, task_id: str) -> str | None:
+        """``fence_run`` of a READY result for ``task_id`` (:mod:`celery_fenced.finished`);
+        ``None`` when it cannot carry one."""
+
 
 def attempt_of(request: Any) -> RunningAttempt | None:
     """The attempt riding on ``request``; ``None`` for a request no fenced attempt began

@@ -160,6 +160,8 @@ class RestoreOutcome(StrEnum):
 
     RESTORED = "restored"
     EXISTS = "exists"
+    FINISHED = "finished"
+    STALE_TOKEN = "stale-token"
 
 
 class BeginEpochOutcome(StrEnum):

@@ -19,6 +19,7 @@ from kombu.utils import json
 
 from .compat import StrEnum
 from .exceptions import ConfigurationError, LeaseScriptError
+from .finished import fence_of
 from .keys import KeySpace
 from .scripts import ScriptSet
 from .state import (
@@ -157,7 +158,7 @@ class LeaseStore:
         keys = [self.keys.index, self.keys.reserved_by(worker_id or reserved_by)]
         args: list[Any] = [reserved_by]
         for item in reservations:
-            keys.append(self.keys.lease(_require_task_id(item.task_id)))
+            keys += [self.keys.lease(_require_task_id(item.task_id)), self.keys.result(item.task_id)]
             call_json = _CALL_ENCODER.encode(item.call) if item.call else ""
             args += [max(0, int(item.expires_in_ms)), item.task_name, call_json, item.max_takeovers, item.publish_id]
         codes = self.scripts.reserve(keys=keys, args=args)
@@ -246,7 +247,13 @@ class LeaseStore:
         stage: str,
         publish_id: str,
     ) -> Any:
-        keys = [self.keys.lease(task_id), self.keys.token, self.keys.index, self.keys.token_epoch]
+        keys = [
+            self.keys.lease(task_id),
+            self.keys.token,
+            self.keys.index,
+            self.keys.token_epoch,
+            self.keys.result(task_id),
+        ]
         args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
         return self.in_token_epoch(lambda: self.scripts.acquire(keys=keys, args=args))
 
@@ -361,8 +368,13 @@ class LeaseStore:
         max_takeovers: int,
         stage: str = "",
     ) -> RestoreOutcome:
-        """Put back the lease of a live owner after its hash vanished: ``"restored"`` or ``"exists"``."""
-        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.token, self.keys.index]
+        """Put back the lease of a live owner after its hash vanished.
+
+        Returns ``"restored"``; or, writing nothing, ``"exists"`` (another delivery acquired
+        it meanwhile), ``"finished"`` (the task finished under this token: its lease lives
+        on in the result) or ``"stale-token"`` (it finished under another token).
+        """
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.token, self.keys.index, self.keys.result(task_id)]
         call_json = _CALL_ENCODER.encode(call) if call else ""
         args: list[Any] = [owner_id, _require_token(token), ttl_ms, task_name, call_json, attempt, takeovers]
         args += [max_takeovers, stage]
@@ -507,11 +519,17 @@ class LeaseStore:
     # -- reads --------------------------------------------------------------------------
 
     def read(self, task_id: str) -> LeaseState | None:
-        """Return the lease of ``task_id``, or ``None`` when it has none."""
+        """Return the lease of ``task_id``, or ``None`` when it has none.
+
+        A task finished by an owner's READY result has its lease in the result
+        (:mod:`celery_fenced.finished`): it is read back as the DONE lease it was, with its
+        status, final token, attempt and takeovers.
+        """
         fields = self.client.hgetall(self.keys.lease(_require_task_id(task_id)))
-        if not fields:
-            return None
-        return LeaseState.from_fields(task_id, {as_text(k): as_text(v) for k, v in fields.items()})
+        if fields:
+            return LeaseState.from_fields(task_id, {as_text(k): as_text(v) for k, v in fields.items()})
+        fence = fence_of(self.client.get(self.keys.result(task_id)))
+        return LeaseState.from_fields(task_id, fence.lease_fields()) if fence is not None else None
 
     def read_many(self, task_ids: Iterable[str]) -> list[LeaseState]:
         """Return the leases of many task ids in one round trip (missing ones left out)."""

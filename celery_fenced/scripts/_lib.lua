@@ -26,6 +26,16 @@
 -- in_token_epoch(epoch_key)             true when the token epoch was begun and confirmed
 --                                       on this server (begin_epoch.lua): only then may a
 --                                       script hand out a token
+-- fence_of(meta)                        a finished lease's compact form: the token, the run
+--                                       ("<publish id>/<attempt>/<takeovers>") and the state
+--                                       of a READY result whose meta ends with its fence
+--                                       ('..., "fence_run": "<run>", "fence_token": <token>}');
+--                                       nil for any other value
+-- finished_fence(result_key)            fence_of() of the stored result, nil without one
+-- end_as_tombstone(key, fields)         end a lease as a DONE tombstone: only the fields a
+--                                       finished lease is read for (who ended it, with which
+--                                       token, which run), plus the given ones; the recorded
+--                                       call, progress and details go
 
 local function now_ms_text()
   local t = redis.call('TIME')
@@ -95,4 +105,43 @@ local function publish_progress(key, stored_version, now, stage, version, age, d
   if #fields > 0 then
     redis.call('HSET', key, unpack(fields))
   end
+end
+
+local function fence_of(meta)
+  -- Only the tail is searched: the user's result, before it, is never read.
+  local run, token = string.match(meta, '"fence_run": "([^"]*)", "fence_token": (%d+)}$', -120)
+  if not token then
+    return nil
+  end
+  local state = string.match(meta, '^{"status": "(%u+)"')
+  if state ~= 'SUCCESS' and state ~= 'FAILURE' and state ~= 'REVOKED' then
+    return nil
+  end
+  return token, run, state
+end
+
+local function finished_fence(result_key)
+  local meta = redis.call('GET', result_key)
+  if not meta then
+    return nil
+  end
+  return fence_of(meta)
+end
+
+local function end_as_tombstone(key, fields)
+  local names = {'ownerId', 'ownerToken', 'attempt', 'takeovers', 'publishId', 'taskName', 'cancelledAt',
+    'successKept'}
+  local values = redis.call('HMGET', key, unpack(names))
+  redis.call('DEL', key)
+  local kept = {'status', 'DONE'}
+  for i, name in ipairs(names) do
+    if values[i] then
+      kept[#kept + 1] = name
+      kept[#kept + 1] = values[i]
+    end
+  end
+  for _, item in ipairs(fields) do  -- after the kept ones: a field given here wins
+    kept[#kept + 1] = item
+  end
+  redis.call('HSET', key, unpack(kept))
 end

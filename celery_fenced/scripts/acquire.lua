@@ -4,6 +4,7 @@
 -- KEYS[2]  token counter     <prefix>:token (global, never expires)
 -- KEYS[3]  expiry index      <prefix>:leases (sorted set, a hint for the reaper)
 -- KEYS[4]  token epoch       <prefix>:token:epoch (the primary that hands out tokens now)
+-- KEYS[5]  Celery's result key (a finished task's lease lives on in it: fence_of())
 -- ARGV[1]  ownerId           "<hostname>/<pid>/<attempt id>", unique per execution
 -- ARGV[2]  lease ttl, ms
 -- ARGV[3]  taskName
@@ -45,9 +46,11 @@ local now_arg = now_ms_text()
 local now = tonumber(now_arg)
 local expire_arg = int_arg(now + tonumber(ARGV[2]))
 local publish_id = ARGV[7] or ''
-local exists = redis.call('EXISTS', KEYS[1]) == 1
+-- Neither a lease nor a result: a first delivery. A finished task has a result and, most
+-- often, no lease: its result carries the fence (store.lua).
+local found = redis.call('EXISTS', KEYS[1], KEYS[5])
 
-if not exists and ARGV[4] ~= '' and publish_id ~= '' then
+if found == 0 and ARGV[4] ~= '' and publish_id ~= '' then
   -- The common case, a first delivery: one write, and the answer is known without a read.
   -- The fields of owner_fields(token), new_run_fields() and the counts, written out:
   -- building the table would cost the server as much as a third of this write.
@@ -108,8 +111,27 @@ local function new_run_fields(fields)
   return fields
 end
 
+local exists = found > 0 and redis.call('EXISTS', KEYS[1]) == 1
+local compact = false
+if not exists and found > 0 then
+  local fence, run, state = finished_fence(KEYS[5])
+  if fence then
+    -- A finished task, its lease kept in its result: written back as the DONE lease it was,
+    -- for what follows (deleted again unless a delivery of another publish runs it again).
+    local publish, attempt, takeovers = string.match(run, '^(.*)/(%d+)/(%d+)$')
+    redis.call('HSET', KEYS[1], 'status', 'DONE', 'ownerToken', fence, 'attempt', attempt or '1',
+      'takeovers', takeovers or '0', 'resultState', state)
+    if publish and publish ~= '' then
+      redis.call('HSET', KEYS[1], 'publishId', publish)
+    end
+    exists = true
+    compact = true
+  end
+end
+
 if not exists then
-  -- A first delivery without a recorded call or a publish id.
+  -- A first delivery without a recorded call or a publish id, or whose result is not a
+  -- finished lease's (a plain task's, or left by a lease that vanished).
   local token = redis.call('INCR', KEYS[2])
   local fields = new_run_fields(owner_fields(token))
   fields[#fields + 1] = 'attempt'
@@ -136,7 +158,11 @@ if status then
   if status == 'DONE' then
     local run = redis.call('HMGET', KEYS[1], 'publishId', 'cancelledAt')
     if publish_id == '' or not run[1] or run[1] == publish_id or run[2] then
-      return {'done', status, snapshot()}
+      local held = snapshot()
+      if compact then
+        redis.call('DEL', KEYS[1])
+      end
+      return {'done', status, held}
     end
     rerun = true
   elseif status == 'ABANDONED' then

@@ -9,26 +9,29 @@
 -- KEYS[1]    expiry index
 -- KEYS[2]    the worker's reservations: sorted set of lease key -> reservation due (ms), for
 --            lapse_worker.lua; an entry already due leaves it (the index has it)
--- KEYS[3..]  one lease hash per message
+-- KEYS[3..]  two per message: its lease hash, then Celery's result key
 -- ARGV[1]    reservedBy: the receiving worker's hostname
--- then five values per message, in the order of KEYS[3..]:
+-- then five values per message, in the order of its keys:
 --            ms until the reservation expires (the eta's delay + the start timeout),
 --            taskName, the recorded call (JSON, may be ""), maxTakeovers, publishId (may be "")
 --
 -- A lease that is missing, RESERVED (a copy received again) or REQUEUED (a re-sent message
 -- received) becomes RESERVED; every other one is left alone: a live owner, a finished
--- task, a retry or a lapsed lease waiting for the reaper.
+-- task (its lease may live on in its result only: fence_of()), a retry or a lapsed lease
+-- waiting for the reaper.
 --
 -- Returns a list of codes, one per message: "reserved" | "left"
 local now = now_ms()
 local codes = {}
 local mine = {}
-for i = 3, #KEYS do
-  local at = 2 + (i - 3) * 5
+for i = 3, #KEYS, 2 do
+  local at = 2 + (i - 3) / 2 * 5
   local key = KEYS[i]
   local expires_at = now + tonumber(ARGV[at])
   local status = redis.call('HGET', key, 'status')
-  if not status then
+  if not status and finished_fence(KEYS[i + 1]) then
+    codes[#codes + 1] = 'left'  -- finished: a copy received late
+  elseif not status then
     local fields = {'status', 'RESERVED', 'reservedBy', ARGV[1], 'reservedAt', now,
       'leaseExpireAt', expires_at, 'taskName', ARGV[at + 1], 'maxTakeovers', ARGV[at + 3],
       'attempt', 0, 'takeovers', 0}

@@ -7,6 +7,7 @@
 -- KEYS[1]  lease hash
 -- KEYS[2]  token counter
 -- KEYS[3]  expiry index
+-- KEYS[4]  Celery's result key
 -- ARGV[1]  ownerId
 -- ARGV[2]  ownerToken
 -- ARGV[3]  lease ttl, ms
@@ -20,8 +21,18 @@
 -- Returns {code}:
 --   "restored"  the lease is back, RUNNING for this owner, due at now + ttl
 --   "exists"    a lease exists (another delivery acquired it meanwhile): nothing written
+--   "finished"  the task finished under this token: its lease lives on in the result
+--               (fence_of()), nothing written
+--   "stale-token"  the task finished under another token: nothing written
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'exists'}
+end
+local fence = finished_fence(KEYS[4])
+if fence then
+  if fence == ARGV[2] then
+    return {'finished'}
+  end
+  return {'stale-token'}
 end
 local now = now_ms()
 local token = tonumber(ARGV[2])

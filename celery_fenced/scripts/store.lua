@@ -27,6 +27,12 @@
 -- A writer whose READY write ended the lease gets "stored" again for the same token, state
 -- and result (its reply was lost and it asks again); nothing is written twice.
 --
+-- A READY result that carries its fence (a token's write whose meta ends with fence_run and
+-- fence_token: fence_of()) ends the lease by deleting it: the result is then the finished
+-- lease's compact form, and refuses a late write for exactly as long as it exists. Any
+-- other READY write (a tokenless REVOKED, a result serializer other than JSON) leaves a DONE
+-- tombstone (end_as_tombstone()) that lives as long as the result.
+--
 -- Returns 1 for a READY result stored that ended the lease ("stored" with detail "DONE", the
 -- common case: a table would cost the server more than the lease's own write), and
 -- otherwise {code, detail}:
@@ -40,12 +46,10 @@
 --   "sticky"    not written: a SUCCESS is already stored (Celery's own rule), with no lease,
 --               or for a task id applied again after it (detail "kept"; a READY state still
 --               ends that run's lease)
-local now_arg = now_ms_text()
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
-
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept', 'takeovers')
 local status = cur[1]
 
 if status == 'DONE' and token ~= '' and cur[2] == token
@@ -57,10 +61,22 @@ if status == 'DONE' and token ~= '' and cur[2] == token
 end
 
 if not status then
-  -- No lease: a plain task, or a fenced one whose lease is gone. Keep Celery's rule
-  -- that a stored SUCCESS is final, but check it atomically.
+  -- No lease: a finished task (its result carries the fence), a plain task, or a fenced one
+  -- whose lease is gone.
   local old = redis.call('GET', KEYS[2])
   if old then
+    local fence = fence_of(old)
+    if fence then
+      if token ~= '' and fence == token and old == meta then
+        return 1  -- the writer that ended it, asking again with the same result
+      elseif token ~= '' and tonumber(token) < tonumber(fence) then
+        return {'stale', fence}
+      elseif token == '' or token == fence then
+        return {'finished', 'DONE'}
+      end
+      -- A newer token: a later run of the task id whose lease is gone, as without a lease.
+    end
+    -- Keep Celery's rule that a stored SUCCESS is final, but check it atomically.
     local ok, decoded = pcall(cjson.decode, old)
     if ok and type(decoded) == 'table' and decoded['status'] == 'SUCCESS' then
       return {'sticky', ''}
@@ -85,6 +101,7 @@ else
   local live = status == 'RUNNING' or status == 'STALLED'
   if ARGV[9] == '1' then
     if by_owner and live then
+      local now_arg = now_ms_text()
       redis.call('ZADD', KEYS[3], now_arg, KEYS[1])
       redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now_arg, 'lapsedAt', now_arg,
         'lapseReason', 'worker-lost')
@@ -105,9 +122,9 @@ if cur[4] then
   -- A task id applied again after a SUCCESS: Celery keeps that SUCCESS, so nothing is
   -- written; a READY state still ends the new run's lease.
   if kind == 'ready' then
+    -- The result is the earlier run's: this run's end is kept as a tombstone.
     redis.call('ZREM', KEYS[3], KEYS[1])
-    redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now_arg, 'finishedAt', now_arg,
-      'resultState', 'SUCCESS')
+    end_as_tombstone(KEYS[1], {'finishedAt', now_ms_text(), 'resultState', 'SUCCESS'})
     if expires > 0 then
       redis.call('PEXPIRE', KEYS[1], ARGV[5])
     end
@@ -118,14 +135,22 @@ end
 write_result(KEYS[2], meta, expires)
 if kind == 'ready' then
   redis.call('ZREM', KEYS[3], KEYS[1])
-  redis.call('HSET', KEYS[1], 'status', 'DONE', 'leaseExpireAt', now_arg, 'finishedAt', now_arg,
-    'resultState', state)
-  if expires > 0 then
-    redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  -- The tail the fenced backend writes for this owner (fence_of()), compared as it stands:
+  -- a pattern would cost the server more than the rest of this branch.
+  local tail = '/' .. (cur[5] or '') .. '", "fence_token": ' .. token .. '}'
+  if token ~= '' and string.sub(meta, -#tail) == tail and string.find(meta, '"fence_run": "', -(#tail + 100), true) then
+    -- The result now carries the fence, and says all the lease does (a claim that counted a
+    -- takeover while this owner still held its token leaves the tombstone instead).
+    redis.call('DEL', KEYS[1])
+  else
+    end_as_tombstone(KEYS[1], {'finishedAt', now_ms_text(), 'resultState', state})
+    if expires > 0 then
+      redis.call('PEXPIRE', KEYS[1], ARGV[5])
+    end
   end
   return 1
 elseif kind == 'retry' then
-  local due = int_arg(tonumber(now_arg) + tonumber(ARGV[7] or '0'))
+  local due = int_arg(now_ms() + tonumber(ARGV[7] or '0'))
   redis.call('ZADD', KEYS[3], due, KEYS[1])
   redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
   return {'stored', 'RETRYING'}

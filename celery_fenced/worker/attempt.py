@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery import states
 
 from .. import events, metrics
+from ..finished import run_text
 from ..reaper import request_reap
 from ..running import attempt_of, put_attempt
 from ..state import StoreOutcome
@@ -76,6 +77,14 @@ class Attempt:
     def owner_id(self) -> str:
         """The owner id of its lease (``""`` without one)."""
         return self.lease.owner_id if self.lease is not None else ""
+
+    def fence_run(self, task_id: str) -> str | None:
+        """``fence_run`` of a READY result for ``task_id`` (:mod:`celery_fenced.finished`);
+        ``None`` when this attempt holds no lease for it, or its publish id cannot be carried."""
+        lease = self.lease
+        if lease is None or lease.task_id != task_id:
+            return None
+        return run_text(lease.publish_id, lease.attempt, lease.takeovers)
 
     @property
     def task_name(self) -> str | None:

@@ -327,6 +327,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         takeovers=result.takeovers,
         policy=policy,
         call=acquire_once.keywords["call"],
+        publish_id=acquire_once.keywords["publish_id"],
         last_progress=started,
         renewed=started,
         started=started,

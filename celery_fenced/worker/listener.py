@@ -98,9 +98,8 @@ class WorkerListener:
             # The attempt now ends as an Ignore, for which the worker sends no event: without
             # this one, Flower would show the task running for good.
             events.send_about(self.app, "task-failed", lease, exception=repr(failure), traceback="")
-            backend = self.app.backend
-            state = backend.lease_store.read(lease.task_id)
-            backend.ended_without_owner(lease.task_id, state.call if state else None, failure, celery_states.FAILURE)
+            # The call it recorded at acquire: the write ended the lease, which leaves none.
+            self.app.backend.ended_without_owner(lease.task_id, lease.call, failure, celery_states.FAILURE)
         self._tell_the_body(lease, reason)
 
     def renewed(self, leases: list[OwnedLease]) -> None:

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from celery_fenced.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
+from celery_fenced.finished import fence_of
 from celery_fenced.keys import KeySpace
 from tests.support.processes import CeleryProcess, wait_until
 from tests.support.redis_server import RedisServer, default_binary
@@ -79,8 +80,13 @@ def stored(cluster: Cluster, task_id: str) -> dict[str, Any] | None:
 
 
 def lease(cluster: Cluster, task_id: str) -> dict[str, str]:
-    """The raw fields of ``task_id``'s lease hash."""
-    return {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
+    """The raw fields of ``task_id``'s lease hash; for a task finished by an owner's READY
+    result, which leaves no hash, the DONE lease its result carries (as ``inspect`` reads it)."""
+    fields = {k.decode(): v.decode() for k, v in cluster.results.hgetall(KEYS.lease(task_id)).items()}
+    if fields:
+        return fields
+    fence = fence_of(cluster.results.get(KEYS.result(task_id)))
+    return fence.lease_fields() if fence is not None else {}
 
 
 class Cluster:

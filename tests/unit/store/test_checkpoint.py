@@ -93,17 +93,26 @@ def test_a_stall_release_publishes_the_owners_last_details(store: LeaseStore) ->
     assert acquire(store, owner=B).checkpoint == Checkpoint("process", {"done": 6}, 1, first.owner_token)
 
 
-@pytest.mark.parametrize("status", [LeaseStatus.RETRYING, LeaseStatus.REQUEUED, LeaseStatus.DONE])
-def test_an_attempt_that_ends_without_a_result_publishes_its_last_details(
-    store: LeaseStore, status: LeaseStatus
-) -> None:
+@pytest.mark.parametrize("status", [LeaseStatus.RETRYING, LeaseStatus.REQUEUED])
+def test_an_attempt_that_waits_to_run_again_publishes_its_last_details(store: LeaseStore, status: LeaseStatus) -> None:
     first = held(store, owner=A)
     progress = ProgressReport("fetch", 4, 0, encode_details({"page": 3}))
     assert store.release("t1", A, first.owner_token, status=status, progress=progress) == "ok"
     after = store.read("t1")
     assert after is not None and after.details == {"page": 3} and after.current_stage == "fetch"
-    if status is not LeaseStatus.DONE:  # a retry starts from it
-        assert acquire(store, owner=B).checkpoint == Checkpoint("fetch", {"page": 3}, 1, first.owner_token)
+    assert acquire(store, owner=B).checkpoint == Checkpoint("fetch", {"page": 3}, 1, first.owner_token)
+
+
+def test_an_attempt_that_ends_without_a_result_leaves_only_a_tombstone(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    first = held(store, owner=A)
+    progress = ProgressReport("fetch", 4, 0, encode_details({"page": 3}))
+    assert store.release("t1", A, first.owner_token, status=LeaseStatus.DONE, progress=progress) == "ok"
+    kept = {k.decode() for k in redis_client.hkeys(store.keys.lease("t1"))}
+    assert kept == {"status", "ownerId", "ownerToken", "attempt", "takeovers", "taskName", "finishedAt"}
+    assert redis_client.object("encoding", store.keys.lease("t1")) in (b"listpack", b"ziplist")
+    assert acquire(store, owner=B).outcome == "done"
 
 
 def test_the_same_attempt_asking_again_gets_the_same_checkpoint(store: LeaseStore, redis_client: redis.Redis) -> None:

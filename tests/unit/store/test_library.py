@@ -15,8 +15,8 @@ def defined(name: str) -> set[str]:
 
 
 def test_a_script_gets_only_the_library_functions_it_calls() -> None:
-    assert defined("acquire") == {"now_ms_text", "int_arg", "in_token_epoch"}
-    assert defined("store") == {"now_ms_text", "int_arg", "write_result"}
+    assert defined("acquire") == {"now_ms_text", "int_arg", "in_token_epoch", "fence_of", "finished_fence"}
+    assert defined("store") == {"now_ms_text", "now_ms", "int_arg", "write_result", "fence_of", "end_as_tombstone"}
 
 
 def test_a_script_gets_what_its_library_functions_call_in_turn() -> None:

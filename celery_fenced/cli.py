@@ -87,7 +87,8 @@ LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
     "wanted",
     multiple=True,
     type=click.Choice(LISTED_STATES, case_sensitive=False),
-    help="Only leases in this state (repeat for several); ABANDONED lists the dead letters, DONE the finished ones.",
+    help="Only leases in this state (repeat for several); ABANDONED lists the dead letters, DONE the "
+    "finished ones kept as tombstones (a task finished by its result keeps none: inspect reads it).",
 )
 @click.pass_context
 def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...]) -> None:

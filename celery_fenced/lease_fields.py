@@ -4,6 +4,9 @@ This is the one place the fields are named for Python: :func:`typed` parses a ha
 by it (``celery fenced inspect``, :class:`~celery_fenced.state.LeaseState`), and
 ``docs/design.rst`` lists it (a test holds the two, and the scripts, against each other).
 Times are milliseconds of the Redis server's clock.
+
+These are the live lease's fields. A finished one keeps few of them, or none: its result
+carries its fence instead (:mod:`celery_fenced.finished`).
 """
 
 from __future__ import annotations

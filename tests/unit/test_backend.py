@@ -89,3 +89,40 @@ def test_a_sentinel_url_gets_the_fenced_sentinel_backend(sentinel: int, redis_se
     with redis_server.client(9) as client:
         assert client.exists("celery-task-meta-s1") == 1
         client.flushdb()
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_an_owners_ready_write_carries_the_fence_or_leaves_a_tombstone(
+    redis_server: RedisServer, serializer: str
+) -> None:
+    from celery.app.task import Context
+
+    from celery_fenced.conf import FencedConfig
+    from celery_fenced.owner import OwnedLease
+    from celery_fenced.worker.attempt import begin
+
+    backend = backend_of(
+        "fenced+" + redis_server.url(8), result_serializer=serializer, accept_content=["json", "pickle"]
+    )
+    store = backend.lease_store
+    policy = FencedConfig.from_mapping({}).policy
+    acquired = store.acquire("b1", "h/1/a", ttl_ms=3000, task_name="t", max_takeovers=3, publish_id="pub1")
+    lease = OwnedLease("b1", "t", "h/1/a", acquired.token, 1, 0, policy, publish_id="pub1")
+    request = Context(id="b1", task="t")
+    begin(request, lease)
+    backend.store_result("b1", {"rows": 1}, "SUCCESS", request=request)
+    meta = backend.get_task_meta("b1")
+    assert meta["result"] == {"rows": 1} and meta["fence_token"] == acquired.token
+    assert meta["fence_run"] == "pub1/1/0"
+    with redis_server.client(8) as client:
+        if serializer == "json":  # the result carries the fence: no lease hash
+            assert client.get(store.keys.result("b1")).endswith(
+                f'"fence_run": "pub1/1/0", "fence_token": {acquired.token}}}'.encode()
+            )
+            assert not client.exists(store.keys.lease("b1"))
+        else:  # the script cannot read a pickled meta: a small tombstone
+            assert client.object("encoding", store.keys.lease("b1")) in (b"listpack", b"ziplist")
+        finished = store.read("b1")  # either way, inspect shows the finished lease
+        assert finished is not None and (finished.status, finished.owner_token) == ("DONE", acquired.token)
+        assert (finished.attempt, finished.takeovers) == (1, 0)
+        client.flushdb()

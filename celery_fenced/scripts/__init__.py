@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -27,6 +27,12 @@ from typing import Any
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from ..compat import is_connected
+
+_pack_command: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # redis-py without hiredis: its own packer
+    _pack_command = None
 
 __all__ = [
     "SCRIPT_NAMES",
@@ -181,11 +187,30 @@ def _disconnect(connection: Any) -> None:
         connection.disconnect()
 
 
+def _packed(connection: Any, args: tuple[Any, ...]) -> list[bytes]:
+    """The command in Redis's protocol.
+
+    hiredis packs a script call's fifteen arguments in about 1 µs; redis-py's packer, though
+    it hands the same work to hiredis, first runs each argument through its encoder in a
+    generator: about 18 µs, twice on every task's path. The bytes are the same for the
+    arguments scripts take (text, bytes, integers); anything else (a connection with another
+    encoding, an argument hiredis does not take) goes through redis-py's packer as before.
+    """
+    encoder = connection.encoder
+    if _pack_command is not None and encoder.encoding == "utf-8" and encoder.encoding_errors == "strict":
+        try:
+            return [_pack_command(args)]
+        except TypeError:
+            pass  # redis-py's packer names what is wrong with it
+    packed: list[bytes] = connection.pack_command(*args)
+    return packed
+
+
 def _send(connection: Any, args: tuple[Any, ...]) -> Any:
     try:
         if not is_connected(connection):
             connection.connect()  # as the pool does: a Sentinel's connection asks for the master
-        connection.send_command(*args)
+        connection.send_packed_command(_packed(connection, args))
         return connection.read_response()
     except ResponseError:
         raise  # a reply, read: the connection is in step

@@ -12,7 +12,7 @@ import redis
 
 from celery_fenced.compat import is_connected
 from celery_fenced.harness import wait_until
-from celery_fenced.scripts import ThreadConnections
+from celery_fenced.scripts import ThreadConnections, _packed
 from celery_fenced.state import AcquireOutcome
 from celery_fenced.store import LeaseStore
 from tests.unit.store.helpers import acquire
@@ -66,7 +66,7 @@ def test_an_exception_between_the_command_and_its_reply_does_not_leave_the_reply
     connections = store.scripts.acquire.connections
     assert connections.execute("PING")  # connected: what follows is the command's own send
     connection = connections.connection()
-    send = type(connection).send_command
+    send = type(connection).send_packed_command
     interrupted = []
 
     def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +76,7 @@ def test_an_exception_between_the_command_and_its_reply_does_not_leave_the_reply
             raise KeyboardInterrupt  # as an exception raised into the thread would be
         return None
 
-    monkeypatch.setattr(type(connection), "send_command", sent_then_interrupted)
+    monkeypatch.setattr(type(connection), "send_packed_command", sent_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         connections.execute("ECHO", "first")
     # The next command reads its own reply, not the first one's.
@@ -218,3 +218,26 @@ def test_a_process_that_gevent_did_not_patch_keeps_a_connection_per_thread(redis
 
     assert not threads_are_greenlets()
     assert isinstance(ScriptSet(redis_client).connections, ThreadConnections)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "a" * 40, 2, "fenced:lease:{celery-task-meta-t1}", "fenced:token", "host/1/a", 15000, ""),
+        ("SET", "k", 'é☃ {"rows": 1}'),
+        ("SET", "k", b"\x00\xff", -5, 2**53),
+    ],
+    ids=["script", "text", "bytes-and-ints"],
+)
+def test_a_command_is_packed_as_redis_py_packs_it(redis_client: redis.Redis, args: tuple[Any, ...]) -> None:
+    connection = redis_client.connection_pool.make_connection()
+    assert b"".join(_packed(connection, args)) == b"".join(connection.pack_command(*args))
+
+
+def test_what_hiredis_does_not_pack_gets_redis_pys_own_error(redis_client: redis.Redis) -> None:
+    connection = redis_client.connection_pool.make_connection()
+    with pytest.raises(redis.DataError):
+        _packed(connection, ("SET", "k", True))
+    latin = redis.Redis(port=redis_client.connection_pool.connection_kwargs["port"], encoding="latin-1")
+    other = latin.connection_pool.make_connection()
+    assert b"".join(_packed(other, ("SET", "k", "é"))) == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n\xe9\r\n"

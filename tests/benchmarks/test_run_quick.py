@@ -32,6 +32,9 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
         "renewing 100 leases of one process: 1 script call(s)",
         "ratio fenced/plain",
         "found and claimed 100",
+        "Redis memory per finished task",
+        "per finished task: ratio",
+        "reaper pass among them, 2,000 live leases, 20 lapsed: found and claimed 20",
         "server CPU ratio fenced/plain for a task's writes",
         "takeover after the deadline",
     ):

@@ -238,6 +238,7 @@ def test_what_hiredis_does_not_pack_gets_redis_pys_own_error(redis_client: redis
     connection = redis_client.connection_pool.make_connection()
     with pytest.raises(redis.DataError):
         _packed(connection, ("SET", "k", True))
+    # Another encoding: whatever redis-py's own packer makes of it (redis-py 8 encodes by it).
     latin = redis.Redis(port=redis_client.connection_pool.connection_kwargs["port"], encoding="latin-1")
     other = latin.connection_pool.make_connection()
-    assert b"".join(_packed(other, ("SET", "k", "é"))) == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n\xe9\r\n"
+    assert b"".join(_packed(other, ("SET", "k", "é"))) == b"".join(other.pack_command("SET", "k", "é"))

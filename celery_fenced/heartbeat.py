@@ -253,7 +253,7 @@ class Heartbeat:
                     # Its hash vanished (a failover that lost writes): written back, then given
                     # up, so the reaper still takes the task over.
                     code = store.lapse(lease.task_id, lease.owner_id, lease.token, mode=mode, progress=progress)
-                elif restored is not None:
+                elif restored in (RestoreOutcome.FINISHED, RestoreOutcome.STALE_TOKEN):
                     code = restored.value  # finished, under this token or another
         except RedisError as exc:
             logger.warning("could not report the stall of task %s: %r; retrying", lease.task_id, exc)
@@ -287,24 +287,20 @@ class Heartbeat:
             return
         renewed = []
         for (lease, _), (_, details), code in zip(batch, reports, codes, strict=True):
+            if code == RenewOutcome.MISSING:
+                restored = self._restore(lease)
+                if restored == RestoreOutcome.RESTORED:
+                    lease.renewed_at(sent)
+                    renewed.append(lease)
+                    continue
+                if restored in (RestoreOutcome.FINISHED, RestoreOutcome.STALE_TOKEN):
+                    # A finished task's lease lives on in its result: the restore read it, and
+                    # answers as a renewal of a DONE lease would.
+                    code = RenewOutcome(restored.value)
             if code == RenewOutcome.OK:
                 lease.renewed_at(sent, details)
                 renewed.append(lease)
                 metrics.buffer.inc("owner_lease_renew_total")
-            elif code == RenewOutcome.MISSING and (restored := self._restore(lease)) != RestoreOutcome.EXISTS:
-                # Written back (an eviction, a failover), or finished: a finished task's lease
-                # lives on in its result, which the restore reads.
-                if restored == RestoreOutcome.RESTORED:
-                    lease.renewed_at(sent)
-                    renewed.append(lease)
-                elif restored == RestoreOutcome.FINISHED and lease.body_done:
-                    self.unregister(lease)
-                elif restored is not None or not lease.ended:
-                    metrics.buffer.inc("owner_lease_renew_rejected_total")
-                    refused = restored.value if restored is not None else code
-                    self._lose(lease, f"renewal refused: {REFUSALS.get(refused, refused)}")
-                else:
-                    self.unregister(lease)  # its attempt ended meanwhile
             elif code in (RenewOutcome.FINISHED, RenewOutcome.CANCELLED) and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
@@ -322,10 +318,13 @@ class Heartbeat:
 
         The owner keeps running under its token and the reaper can still re-send the task:
         neither stops in silence. Where another delivery acquired it meanwhile, the next
-        renewal is refused as usual. A lease its attempt ended meanwhile (handed off to a
-        replacement, which deletes it) is left alone.
+        renewal is refused as usual. A lease its attempt ended meanwhile (its result write,
+        which leaves the lease in the result; a hand-off to a replacement, which deletes it)
+        is left alone: ``"finished"``.
         """
-        if lease.ended or lease.lost_reason is not None:
+        if lease.ended:
+            return RestoreOutcome.FINISHED
+        if lease.lost_reason is not None:
             return None
         try:
             code = _write_back(self._get_store(), lease)

@@ -66,6 +66,7 @@ _FIELDS = (
     LeaseField("resultState", "text", "the READY state stored with it (a late copy of it is refused)"),
     LeaseField("successKept", "int", "1: a SUCCESS of an earlier run is kept while the task runs again"),
     LeaseField("cancelledAt", "time", "when the cancel command ended it"),
+    LeaseField("traceContext", "text", "the owner's run span (W3C traceparent), while OpenTelemetry records it"),
 )
 
 #: Every field of the lease hash, by name.

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import metrics
+from . import metrics, tracing
 from .compat import WeakrefSlot
 from .conf import DEFAULTS, TaskPolicy, normalise_stage
 from .exceptions import LeaseLostError
@@ -190,6 +190,7 @@ class OwnedLease(WeakrefSlot):
         announced_details: the details object the last ``task-progress`` event carried.
         checkpoint: what an earlier owner of the task id published (``None`` on a first attempt).
         publish_id: the ``apply_async`` whose message this attempt runs (``""`` when none).
+        span: the attempt's recording ``run/<task>`` span (OpenTelemetry), else ``None``.
     """
 
     task_id: str
@@ -212,6 +213,7 @@ class OwnedLease(WeakrefSlot):
     announced_details: Mapping[str, Any] | None = None
     checkpoint: Checkpoint | None = None
     publish_id: str = ""
+    span: Any = field(default=None, repr=False)
     lost_reason: str | None = None
     ended: bool = False
     retrying: bool = False
@@ -261,6 +263,8 @@ class OwnedLease(WeakrefSlot):
                 self.stage_started = now
                 self.stage_gap = 0.0
                 self.stage = normal
+                if self.span is not None:
+                    tracing.stage_changed(self.span, normal)
         self.version += 1
         self.last_progress = now
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery, states
 
-from . import events, metrics, signals
+from . import events, metrics, signals, tracing
 from .apps import first_time, record_of
 from .calls import PUBLISH_ID_HEADER
 from .compat import outside_any_task
@@ -120,7 +120,7 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
 def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
     state = result.state
     if result.code == ClaimOutcome.REQUEUED and state is not None:
-        resend(app, state)
+        resend(app, state, cause=result.cause)
         report.requeued.append(result.task_id)
         logger.warning(
             "takeover: task %s[%s] re-sent (cause=%s, takeovers=%d, last token=%d)",
@@ -169,8 +169,13 @@ def _tell(app: Celery, state: LeaseState, cause: str, *, abandoned: bool) -> Non
     )
 
 
-def resend(app: Celery, state: LeaseState) -> Any:
-    """Send the original call of a claimed task again, under the same task id."""
+def resend(app: Celery, state: LeaseState, cause: str = "resend") -> Any:
+    """Send the original call of a claimed task again, under the same task id.
+
+    Where OpenTelemetry records, the send is a ``celery_fenced.takeover`` span (attribute
+    ``cause``) linked to the replaced attempt's span, and the message carries both
+    contexts for the next attempt's span to link to.
+    """
     if not state.call:
         raise ValueError(f"task {state.task_id} has no recorded call to send again")
     call = dict(state.call)
@@ -181,8 +186,11 @@ def resend(app: Celery, state: LeaseState) -> Any:
     publish_id = state.raw.get("publishId")
     if publish_id:
         headers[PUBLISH_ID_HEADER] = publish_id  # a copy of the same run, not a new apply
+    headers.pop(tracing.LINKS_HEADER, None)  # an earlier takeover's links are not this one's
     options["task_id"] = state.task_id
-    with outside_any_task():  # keeps its own parent and root ids, not the reaper's
+    with outside_any_task(), tracing.takeover_span(state.task_id, cause, state.raw) as trace_headers:
+        # outside_any_task() keeps the message's own parent and root ids, not the reaper's.
+        headers.update(trace_headers)
         return app.send_task(
             call.get("task") or state.task_name,
             args=call.get("args") or (),

@@ -516,6 +516,14 @@ class LeaseStore:
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
         return outcome(LapseNowOutcome, "lapse_now", self.scripts.lapse_now(keys=keys, args=[])[0])
 
+    def keep_trace_context(self, task_id: str, token: int, traceparent: str) -> bool:
+        """Keep the owner's run span context on its live lease (for a takeover's links).
+
+        Returns False when the lease is not that owner's live lease any more.
+        """
+        keys = [self.keys.lease(_require_task_id(task_id))]
+        return bool(self.scripts.trace_context(keys=keys, args=[_require_token(token), traceparent]))
+
     # -- reads --------------------------------------------------------------------------
 
     def read(self, task_id: str) -> LeaseState | None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import states
 
-from .. import events, metrics
+from .. import events, metrics, tracing
 from ..finished import run_text
 from ..reaper import request_reap
 from ..running import attempt_of, put_attempt
@@ -133,6 +133,7 @@ class Attempt:
             ):
                 metrics.buffer.inc("owner_false_takeover_total", stage=lease.stage or "")
         metrics.buffer.flush(store)
+        tracing.write_refused(lease, state, current)
         events.send_about(app, "task-fenced", lease, current_token=current, state=state)
 
 

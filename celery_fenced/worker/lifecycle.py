@@ -28,7 +28,7 @@ from celery import states as celery_states
 from celery.exceptions import Ignore, Reject
 from redis.exceptions import RedisError
 
-from .. import events
+from .. import events, tracing
 from .. import signals as fenced_signals
 from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
 from ..compat import get_actual_ignore_result
@@ -96,6 +96,7 @@ def run_body(
     lease = attempt.lease
     if lease is None:
         return call_body(*args, **kwargs)
+    _describe_on_span(task, request, lease)
     try:
         try:
             # The worker's tracer has pushed this task and its request already; Task.__call__
@@ -135,6 +136,19 @@ def run_body(
         # event that would show the task on the zombie's worker again.
         raise Ignore()
     return retval
+
+
+def _describe_on_span(task: Any, request: Any, lease: OwnedLease) -> None:
+    """Put the attempt on its ``run/<task>`` span (where OpenTelemetry records one), and keep
+    the span's context on the lease, for the links of a takeover."""
+    traceparent = tracing.attempt_began(lease, request)
+    if traceparent is None:
+        return
+    try:
+        task.backend.lease_store.keep_trace_context(lease.task_id, lease.token, traceparent)
+    except RedisError:
+        # Only a takeover's link to this attempt is lost; the heartbeat tells of the outage.
+        logger.debug("could not keep the trace context of task %s", lease.task_id, exc_info=True)
 
 
 def still_owner(task: Any, lease: OwnedLease) -> bool:

@@ -18,7 +18,7 @@ from celery import states as celery_states
 from celery.app.task import Context
 from celery.exceptions import TimeLimitExceeded
 
-from .. import events
+from .. import events, tracing
 from .. import signals as fenced_signals
 from ..conf import nearest
 from ..names import NAME_MEMO_LIMIT
@@ -40,6 +40,7 @@ class WorkerListener:
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         events.send_about(self.app, "task-lease-lost", lease, reason=reason)
+        tracing.lease_lost(lease, reason)
         self._tell_the_body(lease, reason)
 
     @staticmethod
@@ -52,6 +53,7 @@ class WorkerListener:
             interrupt(lease)
 
     def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
+        tracing.stalled(lease, bound, allowed, elapsed)
         events.send_about(
             self.app,
             "task-stalled",

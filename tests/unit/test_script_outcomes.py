@@ -10,7 +10,16 @@ from celery_fenced.scripts import SCRIPT_NAMES, script_header
 from celery_fenced.state import SCRIPT_OUTCOMES
 
 #: Scripts that answer with something other than a code (a count, a token).
-NO_CODES = {"metrics", "gaps", "fenced_write", "lapse_reserved", "take_tokens", "worker_alive", "worker_left"}
+NO_CODES = {
+    "metrics",
+    "gaps",
+    "fenced_write",
+    "lapse_reserved",
+    "take_tokens",
+    "trace_context",
+    "worker_alive",
+    "worker_left",
+}
 
 
 def header_codes(name: str) -> set[str]:

@@ -50,6 +50,8 @@ else:
     app.conf.task_acks_late = True
 app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
 install(app)
+if os.environ.get("FENCED_TEST_TRACE_FILE"):
+    from tests.integration.apps import traced  # noqa: F401 (OpenTelemetry, for the tracing test)
 
 _record: redis.Redis | None = None
 

@@ -68,7 +68,7 @@ class _OneLineErrors(click.Group):
 @click.group(name="fenced", cls=_OneLineErrors)
 @click.pass_context
 def fenced(ctx: click.Context) -> None:
-    """Progress-aware leases: status, inspect, cancel, redrive, metrics, tune, flower."""
+    """Progress-aware leases: status, inspect, cancel, redrive, metrics, tune, flower, dashboards."""
 
 
 #: The statuses status --state selects; live ones (RUNNING, STALLED, RESERVED) are listed by default.
@@ -300,6 +300,25 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+
+
+@fenced.command()
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory to write celery-fenced.json and celery-fenced-rules.yml into.",
+)
+def dashboards(out: Path) -> None:
+    """Write the Grafana dashboard and the Prometheus alert rules into OUT."""
+    from . import dashboards as shipped
+
+    try:
+        written = shipped.write(out)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    for path in written:
+        click.echo(str(path))
 
 
 @fenced.command()

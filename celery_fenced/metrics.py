@@ -29,6 +29,7 @@ __all__ = [
     "GAP_RATIO",
     "GAUGES",
     "HISTOGRAMS",
+    "KNOWN_LABELS",
     "MAX_GAP_FIELDS",
     "MAX_METRIC_FIELDS",
     "ClusterCollector",
@@ -59,6 +60,13 @@ COUNTERS: Mapping[str, str] = {
 #: Gauges, read from the lease store at each scrape (not counted by the processes).
 GAUGES: Mapping[str, str] = {
     "owner_abandoned_tasks": "Tasks abandoned after max_takeovers and not redriven (the dead letters).",
+    "owner_live_leases": "Leases the reaper watches: held, or waiting for a worker or a retry.",
+}
+
+#: Label values a counter is served with from the start, at 0 until counted: Prometheus's
+#: ``increase()`` sees the first takeover of each cause only if its series existed before it.
+KNOWN_LABELS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    "owner_takeover_total": {"cause": ("stalled", "gone", "unstarted")},
 }
 
 #: Histogram names and their help text.
@@ -293,6 +301,8 @@ class ClusterCollector:
 
         name = "owner_abandoned_tasks"
         yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.abandoned_count()))
+        name = "owner_live_leases"
+        yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.live_count()))
 
         counters: dict[str, dict[str, float]] = defaultdict(dict)
         histograms: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -302,6 +312,10 @@ class ClusterCollector:
             elif name in HISTOGRAMS:
                 labels, _, part = rest.partition("|")
                 histograms[name][labels][part] = value
+        for name, known in KNOWN_LABELS.items():
+            for label, label_values in known.items():
+                for label_value in label_values:
+                    counters[name].setdefault(f"{label}={label_value}", 0.0)
         for name, help_text in COUNTERS.items():
             label_names = sorted({k for labels in counters[name] for k in _parse_labels(labels)})
             family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=label_names)

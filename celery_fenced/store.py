@@ -582,6 +582,10 @@ class LeaseStore:
         """How many dead letters there are (expired ones not yet forgotten included)."""
         return int(self.client.zcard(self.keys.abandoned))
 
+    def live_count(self) -> int:
+        """How many leases the reaper watches: held, or waiting for a worker or a retry."""
+        return int(self.client.zcard(self.keys.index))
+
     def forget_abandoned(self, task_ids: Iterable[str]) -> None:
         """Drop dead letters whose lease is gone (it expired with the abandoned result)."""
         members = [self.keys.lease(task_id) for task_id in task_ids]

@@ -87,3 +87,28 @@ def test_new_stage_series_past_the_bound_are_counted_under_other(
     known = redis_client.hget(store.keys.metrics, "owner_stage_duration_seconds|stage=known|count")
     other = redis_client.hget(store.keys.metrics, "owner_stage_duration_seconds|stage=other|count")
     assert float(known) == 2 and float(other) == 2  # type: ignore[arg-type]
+
+
+def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_leases(redis_client: redis.Redis) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from celery_fenced.keys import KeySpace
+    from celery_fenced.metrics import ClusterCollector
+    from celery_fenced.store import LeaseStore
+
+    store = LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(store))
+    text = generate_latest(registry).decode()
+    for cause in ("stalled", "gone", "unstarted"):
+        assert f'owner_takeover_total{{cause="{cause}"}} 0.0' in text
+    assert "owner_live_leases 0.0" in text
+
+    counted = MetricsBuffer()
+    counted.inc("owner_takeover_total", cause="gone")
+    counted.flush(store)
+    redis_client.zadd(store.keys.index, {store.keys.lease("t1"): 1, store.keys.lease("t2"): 2})
+    text = generate_latest(registry).decode()
+    assert 'owner_takeover_total{cause="gone"} 1.0' in text
+    assert 'owner_takeover_total{cause="stalled"} 0.0' in text
+    assert "owner_live_leases 2.0" in text

@@ -1,0 +1,95 @@
+"""The shipped dashboard and alert rules: written by the command, checked by the real promtool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from celery_fenced import dashboards
+from celery_fenced.cli import fenced
+from tests.monitoring.conftest import prometheus_tool
+
+pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk needs Python 3.11 or newer")
+
+HERE = Path(__file__).parent
+
+
+def write(out: Path) -> list[Path]:
+    result = CliRunner().invoke(fenced, ["dashboards", "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return [Path(line) for line in result.output.split()]
+
+
+def test_the_command_writes_the_dashboard_and_the_rules(tmp_path: Path) -> None:
+    written = write(tmp_path / "out")
+    assert written == [tmp_path / "out" / "celery-fenced.json", tmp_path / "out" / "celery-fenced-rules.yml"]
+    board = json.loads(written[0].read_text())
+    assert board["uid"] == "celery-fenced"
+    titles = [panel["title"] for panel in board["panels"] if panel["type"] != "row"]
+    for wanted in (
+        "Takeovers by cause",
+        "Stalls",
+        "False takeovers by stage",
+        "Fencing refusals",
+        "Abandoned tasks",
+        "Renewals rejected",
+        "Stage duration by stage",
+        "First-token latency",
+        "Stream idle timeouts",
+    ):
+        assert wanted in titles
+    exprs = [target["expr"] for panel in board["panels"] for target in panel.get("targets") or []]
+    assert exprs == [expr for _, panels in dashboards.PANELS for panel in panels for expr, _ in panel.queries]
+    assert written[1].read_text() == dashboards.rules_text()
+
+
+def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
+    promtool = prometheus_tool("promtool")
+    _, rules = write(tmp_path)
+    checked = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 4 rules found" in checked.stdout
+
+
+def test_the_rules_pass_their_promtool_unit_tests(tmp_path: Path) -> None:
+    promtool = prometheus_tool("promtool")
+    write(tmp_path)
+    shutil.copy(HERE / "celery-fenced-rules.test.yml", tmp_path)
+    tested = subprocess.run(
+        [promtool, "test", "rules", str(tmp_path / "celery-fenced-rules.test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout
+
+
+def test_without_the_sdk_the_command_names_the_extra_and_writes_nothing(tmp_path: Path) -> None:
+    program = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["grafana_foundation_sdk"] = None  # as if the extra were not installed
+        from click.testing import CliRunner
+        from celery_fenced.cli import fenced
+        result = CliRunner().invoke(fenced, ["dashboards", "--out", {str(tmp_path / "out")!r}])
+        print(result.exit_code)
+        print(result.output, end="")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    code, *output = done.stdout.splitlines()
+    assert code == "1"
+    assert output == [
+        "Error: celery fenced dashboards needs grafana-foundation-sdk (Python 3.11 or newer): "
+        "pip install 'celery-fenced[dashboards]'"
+    ]
+    assert not (tmp_path / "out").exists()

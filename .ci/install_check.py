@@ -3,17 +3,20 @@
     python .ci/install_check.py
 
 1. Builds the sdist and the wheel (``python -m build``, the wheel from the sdist), checks
-   their metadata (``twine check``) and that the wheel carries every ``.lua`` script and
-   ``py.typed``.
+   their metadata (``twine check``) and that the wheel carries every ``.lua`` script,
+   ``py.typed`` and the alert rules.
 2. Installs the wheel with no extras into a fresh virtual environment and runs the README's
    "Use it" program, taken from the README itself, with the README's own commands: a real
    worker (with beat) against a private ``redis-server`` runs the task under a lease, the
    result comes back, and ``celery fenced inspect`` shows the lease DONE with its token.
    Then the same again in a project that pins the oldest supported Celery (5.5): pip keeps
-   the pin, and the program runs on it.
+   the pin, and the program runs on it; and with the ``gevent`` extra on the README's gevent
+   worker, and with the ``otel`` extra (the API alone: tracing is a no-op).
 3. Installs each extra alone into a fresh environment and runs what it is for: ``metrics``
    serves the exporter, ``flower`` serves Flower's task list, ``django`` makes a fenced cache
-   write through django-redis, ``docs`` builds the documentation with warnings as errors.
+   write through django-redis, ``dashboards`` writes the dashboard and the rules with the
+   README's command (``promtool check rules`` where promtool is on PATH), ``docs`` builds the
+   documentation with warnings as errors.
 4. Runs the README's first command, exactly as written, in another fresh environment on a
    clean copy of the tree, with no ``redis-server`` on ``PATH``: the embedded Redis serves.
 
@@ -24,6 +27,7 @@ is installed. Exits non-zero, with the failing step's output, at the first failu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -117,6 +121,15 @@ def readme_program() -> tuple[str, list[str]]:
     if len(commands) != 3 or not commands[0].rstrip().endswith("&"):
         raise CheckFailed("README 'Use it': expected a worker command ending in '&', a client and inspect")
     return program, commands
+
+
+def readme_dashboards_line() -> str:
+    """The README's command that writes the dashboard and the alert rules."""
+    for block in readme_blocks("bash", "## Use it"):
+        for line in block.splitlines():
+            if " fenced dashboards --out " in line:
+                return line.strip()
+    raise CheckFailed("README 'Use it': no `celery -A proj fenced dashboards --out DIR` command")
 
 
 def readme_gevent_worker_line() -> str:
@@ -244,7 +257,7 @@ def build(work: Path) -> Path:
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     wanted = {f"celery_fenced/scripts/{p.name}" for p in (ROOT / "celery_fenced" / "scripts").glob("*.lua")}
-    wanted.add("celery_fenced/py.typed")
+    wanted.update(("celery_fenced/py.typed", "celery_fenced/celery-fenced-rules.yml"))
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(wanted - in_wheel)
     if missing:
@@ -257,20 +270,22 @@ def build(work: Path) -> Path:
     return wheel
 
 
-def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str = "", gevent: bool = False) -> None:
+def check_first_program(work: Path, wheel: Path, redis_url: str, celery_pin: str = "", extra: str = "") -> None:
     """The README's "Use it" program, run as written, from the wheel with no extras.
 
     With ``celery_pin`` (a user's project pinning an older Celery), pip installs the wheel
-    beside that pin, and the pin is what the program runs on. With ``gevent``, the wheel's
-    ``gevent`` extra alone, and the worker started as the README says for that pool.
+    beside that pin, and the pin is what the program runs on. With ``extra``, the wheel's
+    extra of that name alone; for ``gevent``, the worker is started as the README says for
+    that pool.
     """
+    gevent = extra == "gevent"
     beside = f" beside {celery_pin!r}" if celery_pin else ""
-    extra = "the 'gevent' extra alone" if gevent else "no extras"
-    step(f"the wheel, {extra}{beside}, in a fresh venv: the README's 'Use it' program on a real worker")
+    extras = f"the {extra!r} extra alone" if extra else "no extras"
+    step(f"the wheel, {extras}{beside}, in a fresh venv: the README's 'Use it' program on a real worker")
     name = "user-" + re.sub(r"[^0-9a-z]+", "-", celery_pin.lower()).strip("-") if celery_pin else "user"
-    name += "-gevent" if gevent else ""
+    name += f"-{extra}" if extra else ""
     venv = Venv(work / name)
-    venv.pip_install(f"{wheel}[gevent]" if gevent else wheel, *([celery_pin] if celery_pin else []))
+    venv.pip_install(f"{wheel}[{extra}]" if extra else wheel, *([celery_pin] if celery_pin else []))
     venv.pip_check()
     if celery_pin:
         installed = run([venv.python, "-c", "import celery; print(celery.__version__)"]).strip()
@@ -362,6 +377,22 @@ def check_extras(work: Path, wheel: Path, redis_url: str) -> None:
     argv = ["celery", "-A", "proj", "fenced", "flower", f"--port={port}", "--address=127.0.0.1"]
     served("flower", argv, f"http://127.0.0.1:{port}/tasks", "takeovers")
 
+    step("extra 'dashboards' alone: the README's command writes the dashboard and the rules")
+    venv = Venv(work / "extra-dashboards")
+    venv.pip_install(f"{wheel}[dashboards]")
+    venv.pip_check()
+    command = readme_dashboards_line()
+    run(["bash", "-c", command], cwd=project, env=venv.env(REDIS_URL=redis_url))
+    out = project / command.split("--out", 1)[1].split()[0]
+    board = json.loads((out / "celery-fenced.json").read_text())
+    if board.get("uid") != "celery-fenced" or not board.get("panels"):
+        raise CheckFailed(f"{out / 'celery-fenced.json'} is not the dashboard")
+    promtool = shutil.which("promtool")
+    if promtool:
+        run([promtool, "check", "rules", out / "celery-fenced-rules.yml"])
+    else:
+        step("  promtool is not on PATH: the rules file is written, not checked")
+
     step("extra 'django' alone: a fenced cache write through django-redis")
     venv = Venv(work / "extra-django")
     venv.pip_install(f"{wheel}[django]")
@@ -403,7 +434,8 @@ def main() -> int:
         with redis_server(work) as redis_url:
             check_first_program(work, wheel, redis_url)
             check_first_program(work, wheel, redis_url, celery_pin=OLDEST_CELERY)
-            check_first_program(work, wheel, redis_url, gevent=True)
+            check_first_program(work, wheel, redis_url, extra="gevent")
+            check_first_program(work, wheel, redis_url, extra="otel")
             check_extras(work, wheel, redis_url)
         check_readme_first_command(work)
     except CheckFailed as exc:

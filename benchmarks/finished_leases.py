@@ -78,7 +78,7 @@ def plain_results(client: Any, count: int) -> None:
 def fenced_results(store: Any, count: int) -> None:
     client = store.client
     keys = store.keys
-    store.begin_token_epoch()
+    store.tokens.begin_epoch()
     for start in range(0, count, BATCH):
         ids = [str(uuid.uuid4()) for _ in range(start, min(count, start + BATCH))]
         publishes = [secrets.token_hex(8) for _ in ids]

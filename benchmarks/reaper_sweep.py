@@ -22,7 +22,7 @@ from benchmarks._harness import Harness
 
 def populate(store, size: int, lapsed: int) -> None:  # type: ignore[no-untyped-def]
     client = store.client
-    store.begin_token_epoch()  # the pipelined acquires below hand out tokens on this server
+    store.tokens.begin_epoch()  # the pipelined acquires below hand out tokens on this server
     for start in range(0, size, 2000):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(size, start + 2000)):

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from kombu.utils import json
 
 from .compat import StrEnum
+from .exceptions import LeaseScriptError
 
 __all__ = [
     "SCRIPT_OUTCOMES",
@@ -42,6 +43,7 @@ __all__ = [
     "StoreOutcome",
     "StoreResult",
     "as_text",
+    "outcome",
 ]
 
 
@@ -216,6 +218,17 @@ SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
 def as_text(value: Any) -> str:
     """A Redis reply value as ``str`` (replies come as bytes)."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def outcome(kind: type[E], script: str, code: Any) -> E:
+    """The script's answer as a member of its outcome enum; an unknown code is an error."""
+    try:
+        return kind._value2member_map_[as_text(code)]  # type: ignore[return-value]
+    except KeyError:
+        raise LeaseScriptError(f"{script}.lua answered an unknown code {as_text(code)!r}") from None
 
 
 def _flat_fields(flat: Sequence[Any]) -> dict[str, str]:

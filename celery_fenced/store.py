@@ -12,25 +12,22 @@ Times in the shared state are milliseconds of the Redis server's clock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from kombu.utils import json
 
-from .compat import StrEnum
-from .exceptions import ConfigurationError, LeaseScriptError
+from .exceptions import ConfigurationError
 from .finished import fence_of
 from .keys import KeySpace
 from .scripts import ScriptSet
 from .state import (
     AcquireOutcome,
     AcquireResult,
-    BeginEpochOutcome,
     CancelOutcome,
     Checkpoint,
     ClaimOutcome,
     ClaimResult,
-    ConfirmEpochOutcome,
     LapseNowOutcome,
     LapseOutcome,
     LapseWorkerOutcome,
@@ -47,11 +44,11 @@ from .state import (
     StoreOutcome,
     StoreResult,
     as_text,
+    outcome,
 )
+from .tokens import TokenCounter
 
 __all__ = [
-    "EPOCH_WAIT_MS",
-    "TOKEN_EPOCH_JUMP",
     "LeaseStore",
     "hostname_of",
     "is_fenced",
@@ -62,22 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: How far the token counter moves on when a server begins its token epoch (a promoted
-#: replica, a restarted server): more tokens than a primary hands out that its replicas never
-#: receive (at 50,000 tasks a second, a replica a day behind). 2**53 / 2**32: two million
-#: epochs before a token leaves the integers a Lua script (a double) holds exactly.
-TOKEN_EPOCH_JUMP = 2**32
-
-#: How long a server beginning its token epoch waits for its replicas to take the move, ms.
-EPOCH_WAIT_MS = 2000
-
-#: How often a call that hands out tokens begins the epoch before it gives up (each a failover).
-_EPOCH_TRIES = 3
-
-#: What a script that hands out tokens answers on a server whose token epoch has not begun.
-_NEW_EPOCH = b"new-epoch"
-
-
 #: kombu's JSON (datetimes, UUIDs, Decimals and bytes survive the round trip, as in Celery's
 #: own messages); one encoder for every call (it keeps no state between calls).
 _CALL_ENCODER = json.JSONEncoder()
@@ -87,17 +68,6 @@ _NO_PROGRESS = ProgressReport()
 
 #: What ``store.lua`` answers with 1.
 _STORED_DONE = StoreResult(StoreOutcome.STORED, "DONE")
-
-
-E = TypeVar("E", bound=StrEnum)
-
-
-def outcome(kind: type[E], script: str, code: Any) -> E:
-    """The script's answer as a member of its outcome enum; an unknown code is an error."""
-    try:
-        return kind._value2member_map_[as_text(code)]  # type: ignore[return-value]
-    except KeyError:
-        raise LeaseScriptError(f"{script}.lua answered an unknown code {as_text(code)!r}") from None
 
 
 def worker_id_of(hostname: str, pid: int, start: str) -> str:
@@ -136,6 +106,7 @@ class LeaseStore:
         self.client = client
         self.keys = keys
         self.scripts = ScriptSet(client)
+        self.tokens = TokenCounter(client, self.scripts, keys)
 
     def close(self) -> None:
         """Close the connections the scripts keep (not the client's, which is its owner's)."""
@@ -255,52 +226,7 @@ class LeaseStore:
             self.keys.result(task_id),
         ]
         args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
-        return self.in_token_epoch(lambda: self.scripts.acquire(keys=keys, args=args))
-
-    # -- the token epoch --------------------------------------------------------------------
-
-    def in_token_epoch(self, hand_out: Callable[[], Any]) -> Any:
-        """Run ``hand_out`` (a script that hands out tokens); where it answers ``"new-epoch"``
-        (a server that hands out tokens for the first time: a promoted replica, a restart),
-        begin the epoch there and run it again."""
-        for _ in range(_EPOCH_TRIES):
-            reply = hand_out()
-            if reply != _NEW_EPOCH and reply != "new-epoch":
-                return reply
-            self.begin_token_epoch()
-        raise LeaseScriptError(f"the token epoch changed {_EPOCH_TRIES} times in a row (failovers under way)")
-
-    def begin_token_epoch(self) -> None:
-        """Move the token counter past every token an earlier primary handed out, wait for the
-        replicas to take the move, and confirm the epoch (``begin_epoch.lua``)."""
-        # One connection: WAIT waits for the writes made on its own connection.
-        with self.client.client() as one:
-            code, replicas = self.scripts.begin_epoch(
-                keys=[self.keys.token, self.keys.token_epoch], args=[TOKEN_EPOCH_JUMP], client=one
-            )
-            begun = outcome(BeginEpochOutcome, "begin_epoch", code)
-            if begun == BeginEpochOutcome.CURRENT:
-                return
-            replicas = int(replicas)
-            if replicas:
-                acked = int(one.execute_command("WAIT", replicas, EPOCH_WAIT_MS))
-                if acked < replicas:
-                    logger.warning(
-                        "a new token epoch reached %d of %d replicas within %d ms: were this server to fail "
-                        "over before they catch up, tokens it hands out could be handed out again",
-                        acked,
-                        replicas,
-                        EPOCH_WAIT_MS,
-                    )
-            (code,) = self.scripts.confirm_epoch(keys=[self.keys.token_epoch], client=one)
-        if outcome(ConfirmEpochOutcome, "confirm_epoch", code) == ConfirmEpochOutcome.OTHER:
-            return  # another failover: the caller's next call begins that server's epoch
-        if begun == BeginEpochOutcome.MOVED:
-            logger.warning(
-                "a Redis server that did not hand out the last fencing tokens (a promoted replica, a restart) "
-                "hands them out now: they moved on by %d, past any the previous one handed out",
-                TOKEN_EPOCH_JUMP,
-            )
+        return self.tokens.hand_out(lambda: self.scripts.acquire(keys=keys, args=args))
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:
         """Renew many leases of one process in one round trip, publishing their progress; one
@@ -441,14 +367,6 @@ class LeaseStore:
                 self.client.zrem(self.keys.index, member)
         return ids
 
-    def reserve_tokens(self, count: int) -> int:
-        """Reserve ``count`` fresh tokens; returns the first (they run up from it)."""
-        if count <= 0:
-            raise ValueError(f"count must be positive, got {count!r}")
-        keys = [self.keys.token, self.keys.token_epoch]
-        last = int(self.in_token_epoch(lambda: self.scripts.take_tokens(keys=keys, args=[count])))
-        return last - count + 1
-
     def claim_due(
         self,
         task_ids: Sequence[str],
@@ -465,7 +383,7 @@ class LeaseStore:
         """
         if not task_ids:
             return []
-        first = self.reserve_tokens(len(task_ids))
+        first = self.tokens.reserve(len(task_ids))
         pipe = self.client.pipeline(transaction=False)
         for offset, task_id in enumerate(task_ids):
             token = first + offset
@@ -491,7 +409,7 @@ class LeaseStore:
             self.keys.result(task_id),
             self.keys.index,
         ]
-        token = self.reserve_tokens(1)
+        token = self.tokens.reserve(1)
         args = [token, revoked_meta(token), max(0, expires_ms), "1" if unknown_too else "0"]
         answer = self.scripts.cancel(keys=keys, args=args)
         return outcome(CancelOutcome, "cancel", answer[0])

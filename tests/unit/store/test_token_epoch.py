@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from celery_fenced.keys import KeySpace
-from celery_fenced.store import EPOCH_WAIT_MS, TOKEN_EPOCH_JUMP, LeaseStore
+from celery_fenced.store import LeaseStore
+from celery_fenced.tokens import EPOCH_WAIT_MS, TOKEN_EPOCH_JUMP
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer, default_binary
 from tests.support.replication import HoldingProxy
@@ -52,7 +53,7 @@ def test_a_server_with_another_servers_epoch_moves_the_counter_on_once(
 def test_the_reapers_and_a_cancels_tokens_begin_the_epoch_too(store: LeaseStore, redis_client: redis.Redis) -> None:
     tokens(store, "before", 2)
     redis_client.set(KEYS.token_epoch, "0" * 40)
-    assert store.reserve_tokens(4) == 2 + TOKEN_EPOCH_JUMP + 1
+    assert store.tokens.reserve(4) == 2 + TOKEN_EPOCH_JUMP + 1
 
 
 def test_a_counter_without_an_epoch_was_used_before_it_had_one(store: LeaseStore, redis_client: redis.Redis) -> None:

@@ -22,8 +22,6 @@ interrupt's state (``body_done``, ``shield_depth``, ``interrupt_pending``,
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +30,8 @@ from typing import Any
 
 from . import metrics, tracing
 from .compat import WeakrefSlot
-from .conf import DEFAULTS, TaskPolicy, normalise_stage
+from .conf import TaskPolicy, normalise_stage
+from .details import check_details, encode_details
 from .exceptions import LeaseLostError
 from .names import NameMemo
 from .state import Checkpoint, ProgressReport
@@ -42,9 +41,7 @@ __all__ = [
     "LOCAL_EXPIRY_MARGIN",
     "OwnedLease",
     "StageDeadline",
-    "check_details",
     "current_lease",
-    "encode_details",
     "set_current_lease",
 ]
 
@@ -55,7 +52,6 @@ LOCAL_EXPIRY_MARGIN = 0.1
 #: unreachable, a pause). Nobody refused it: the lease may still be there, or may have vanished.
 EXPIRED_LOCALLY = "expired: no renewal within the lease ttl"
 
-_DETAIL_TYPES = frozenset({str, int, float, bool, type(None)})
 _monotonic = time.monotonic
 
 
@@ -79,73 +75,6 @@ def set_current_lease(lease: OwnedLease | None) -> None:
 # Stage names repeat: normalise each once per process.
 _stage = NameMemo(normalise_stage)
 _stage_names = _stage.made
-
-
-# Upper bounds of a value's JSON size, so that the usual small details need no encoding at the
-# call: a character is at most 6 bytes (``\u0000``), a float's repr at most 24 characters.
-_CHAR_BOUND = 6
-_FLOAT_BOUND = 24
-_INT_BOUND = 20  # digits and sign of an int below 10**19
-_SMALL_INT = 10**19
-
-
-def encode_details(details: Mapping[str, Any]) -> str:
-    """Progress details as the lease's ``details`` field holds them: compact UTF-8 JSON."""
-    return json.dumps(details, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def check_details(details: Mapping[str, Any], max_bytes: int = DEFAULTS["fenced_max_detail_bytes"]) -> None:
-    """Refuse progress details that cannot be a checkpoint, cheaply (no encoding when small).
-
-    Any JSON value is a detail: str, int, float, bool, None, and lists and dicts of them (the
-    ids of the batches done, say). Scalars are bounded without encoding; a list or a dict is
-    encoded once to check it.
-
-    Raises:
-        TypeError: a value JSON cannot hold (bytes, a set, an object, a dict with non-str keys).
-        ValueError: a float that JSON cannot hold (NaN, infinity), or details whose JSON is
-            larger than ``max_bytes``.
-    """
-    bound = 2
-    for key, value in details.items():
-        kind = type(value)
-        if kind is str:
-            bound += len(value) * _CHAR_BOUND + 2
-        elif kind is int:
-            bound += _INT_BOUND if -_SMALL_INT < value < _SMALL_INT else max_bytes + 1
-        elif kind is float:
-            if not math.isfinite(value):
-                raise ValueError(f"progress detail {key!r} must be a finite number to be JSON, got {value!r}")
-            bound += _FLOAT_BOUND
-        elif kind is bool or value is None:
-            bound += 5
-        elif kind is list or kind is dict or kind is tuple:
-            bound += _nested_size(key, value, max_bytes)
-        else:
-            raise TypeError(f"progress detail {key!r} must be a JSON value, got {type(value).__name__}")
-        bound += len(key) * _CHAR_BOUND + 4
-    if bound > max_bytes:
-        try:
-            size = len(encode_details(details).encode("utf-8"))
-        except ValueError as exc:  # an int too long to print
-            raise ValueError(f"progress details cannot be JSON: {exc}") from None
-        if size > max_bytes:
-            raise ValueError(
-                f"progress details are {size} bytes of JSON, more than fenced_max_detail_bytes ({max_bytes}): "
-                "a checkpoint says where to resume (a count, an offset, an id), it does not carry the data"
-            )
-
-
-def _nested_size(key: str, value: Any, max_bytes: int) -> int:
-    """The JSON size of a list or dict detail (encoded: its parts are checked on the way)."""
-    try:
-        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8"))
-    except ValueError:
-        raise ValueError(f"progress detail {key!r} must be JSON: it holds a NaN or an infinity") from None
-    except TypeError as exc:
-        raise TypeError(f"progress detail {key!r} must be a JSON value: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"progress detail {key!r} nests too deep to be JSON") from None
 
 
 @dataclass

@@ -29,7 +29,8 @@ from celery import Celery, Task
 
 from . import metrics
 from .conf import ensure_conf, normalise_stage, positive_seconds
-from .owner import OwnedLease, StageDeadline, check_details, thread_state
+from .details import check_details
+from .owner import OwnedLease, StageDeadline, thread_state
 from .running import attempt_of
 from .state import Checkpoint, LeaseState
 from .store import is_fenced

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from celery_fenced.conf import FencedConfig
-from celery_fenced.owner import OwnedLease, check_details, encode_details
+from celery_fenced.details import check_details, encode_details
+from celery_fenced.owner import OwnedLease
 
 
 def lease_with(max_bytes: int = 4096) -> OwnedLease:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_fenced.owner import encode_details
+from celery_fenced.details import encode_details
 from celery_fenced.state import AcquireOutcome, Checkpoint, LeaseStatus, ProgressReport
 from celery_fenced.store import LeaseStore
 from tests.unit.store.helpers import acquire, held, renew_req

@@ -26,7 +26,7 @@ from .exceptions import ConfigurationError
 from .lease_fields import is_time, typed
 from .metrics import ClusterCollector, read_false_takeovers, read_gaps
 from .state import CancelOutcome, RedriveOutcome
-from .store import LeaseStore, lease_store_of
+from .store import LeaseStore, hostname_of, lease_store_of
 from .tuning import suggest
 
 __all__ = ["LISTED_STATES", "LIVE_STATES", "fenced", "render_lease", "typed_fields"]
@@ -90,16 +90,28 @@ LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
     help="Only leases in this state (repeat for several); ABANDONED lists the dead letters, DONE the "
     "finished ones kept as tombstones (a task finished by its result keeps none: inspect reads it).",
 )
+@click.option(
+    "--workers",
+    "show_workers",
+    is_flag=True,
+    help="The workers' liveness records instead: worker, pid, reservations held, seconds left.",
+)
 @click.pass_context
-def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...]) -> None:
+def status(
+    ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted: tuple[str, ...], show_workers: bool
+) -> None:
     """A table of leases: task, owner, token, stage, seconds since progress, seconds left.
 
     By default the live ones (RUNNING, STALLED, and RESERVED: received by the worker named
     as owner, not started; LEFT is the time until it is sent again); --state or --all
-    for the others, ABANDONED tasks (the dead letters, for redrive) included.
+    for the others, ABANDONED tasks (the dead letters, for redrive) included. --workers
+    lists the workers' liveness records (a lapsed one is a worker gone without saying so).
     """
     app = _app(ctx)
     store = _store(app)
+    if show_workers:
+        _print_workers(store, as_json)
+        return
     selected = {state.upper() for state in wanted} or set(LISTED_STATES if show_all else LIVE_STATES)
     now = store.server_time_ms()
     rows = [s for s in store.read_many(store.indexed_task_ids(limit)) if s.status in selected]
@@ -133,6 +145,39 @@ def status(ctx: click.Context, limit: int, as_json: bool, show_all: bool, wanted
     ]
     _print_table(headers, table)
     click.echo(f"{len(table)} lease(s)")
+
+
+def _print_workers(store: LeaseStore, as_json: bool) -> None:
+    now = store.server_time_ms()
+    rows: list[dict[str, Any]] = []
+    for worker_id, until in store.workers():
+        parts = worker_id.rsplit("/", 2)  # "<hostname>/<pid>/<start>"
+        rows.append(
+            {
+                "worker": worker_id,
+                "hostname": hostname_of(worker_id),
+                "pid": int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None,
+                "reserved": store.reserved_count(worker_id),
+                "seconds_left": (until - now) / 1000,
+                "alive": until > now,
+            }
+        )
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    table = [
+        (
+            r["hostname"],
+            str(r["pid"] or "-"),
+            str(r["reserved"]),
+            _seconds(r["seconds_left"]),
+            "alive" if r["alive"] else "lapsed: its reservations are sent again at the next reaper pass",
+        )
+        for r in rows
+    ]
+    _print_table(("WORKER", "PID", "RESERVED", "LEFT", "STATE"), table)
+    click.echo(f"{len(table)} worker(s)")
 
 
 def _seconds(value: float | None) -> str:

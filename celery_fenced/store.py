@@ -152,6 +152,21 @@ class LeaseStore:
         """A worker stopped: remove its liveness record (its reservations wait for their start timeout)."""
         self.scripts.worker_left(keys=[self.keys.workers, self.keys.reserved_by(worker_id)], args=[worker_id])
 
+    def workers(self) -> list[tuple[str, int]]:
+        """Every worker's liveness record, ``(worker id, alive until ms)``, the first to lapse first.
+
+        A record past its time belongs to a worker gone without saying so: the reaper's next
+        pass makes its reservations due and drops it.
+        """
+        return [
+            (as_text(member), int(until))
+            for member, until in self.client.zrange(self.keys.workers, 0, -1, withscores=True)
+        ]
+
+    def reserved_count(self, worker_id: str) -> int:
+        """How many reservations a worker holds (messages it received and has not started)."""
+        return int(self.client.zcard(self.keys.reserved_by(worker_id)))
+
     def lapse_dead_workers(self) -> dict[str, int]:
         """Make the reservations of every worker whose liveness record lapsed due now.
 

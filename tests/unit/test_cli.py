@@ -11,8 +11,9 @@ from click.testing import CliRunner, Result
 
 from celery_fenced import reap
 from celery_fenced.cli import fenced
+from celery_fenced.harness import wait_until
 from celery_fenced.metrics import gap_bucket
-from celery_fenced.state import LeaseStatus
+from celery_fenced.state import LeaseStatus, Reservation
 
 CALL = {"task": "proj.report", "args": [7], "kwargs": {}, "options": {}}
 
@@ -145,3 +146,21 @@ def test_an_unreachable_lease_redis_is_one_line() -> None:
         assert failed.exit_code == 1, failed.output
         [line] = failed.output.splitlines()
         assert line.startswith("Error: the lease Redis cannot be reached: "), line
+
+
+def test_status_lists_the_workers_liveness_records(fenced_app: Celery) -> None:
+    store = fenced_app.backend.lease_store
+    store.worker_alive("w1@box/4242/abc", 30_000)
+    received = [Reservation(task_id, 60_000, "proj.task", CALL, 3, publish_id="p1") for task_id in ("r1", "r2")]
+    store.reserve_many(received, "w1@box", "w1@box/4242/abc")
+    store.worker_alive("w2@box/77/def", 1)  # gone without saying so: lapsed at once
+    wait_until(lambda: store.server_time_ms() > dict(store.workers())["w2@box/77/def"], 5, "the record to lapse")
+    rows = [json.loads(line) for line in run(fenced_app, "status", "--workers", "--json").output.splitlines()]
+    assert [(r["hostname"], r["pid"], r["reserved"], r["alive"]) for r in rows] == [
+        ("w2@box", 77, 0, False),
+        ("w1@box", 4242, 2, True),
+    ]
+    assert 25 < rows[1]["seconds_left"] <= 30
+    table = run(fenced_app, "status", "--workers").output
+    assert "lapsed: its reservations are sent again at the next reaper pass" in table
+    assert table.rstrip().endswith("2 worker(s)")

@@ -12,6 +12,7 @@ import logging
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
+from . import events
 from .reaper import request_reap
 from .state import CancelOutcome, LeaseState, LeaseStatus, RedriveOutcome
 from .store import lease_store_of
@@ -42,6 +43,8 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
         return backend.encoded_meta(task_id, TaskRevokedError(reason), states.REVOKED, token)
 
     expires_ms = backend.expires_ms(states.REVOKED)
+    before = store.read(task_id)
+    owned = before is not None and before.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
     code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     if code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
         code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
@@ -51,6 +54,21 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
         state = store.read(task_id)
         call = state.call if state is not None else None
         backend.ended_without_owner(task_id, call, TaskRevokedError(reason), states.REVOKED)
+        if not owned:
+            # An owner hears of the cancel at its next renewal and tells Flower; a task nobody
+            # runs (waiting, received, taken over) has nobody to: tell it here.
+            events.send(
+                app,
+                "task-revoked",
+                task_id=task_id,
+                token=state.owner_token if state is not None else 0,
+                stage=state.current_stage if state is not None else None,
+                attempt=state.attempt if state is not None else 0,
+                always=True,
+                terminated=False,
+                expired=False,
+                signum=None,
+            )
     return str(code)
 
 

@@ -38,9 +38,10 @@ EVENT_TYPES = (
     "task-abandoned",
 )
 
-#: Celery's own event for an attempt the package ended itself (past ``fenced_max_task_duration``
-#: the attempt ends as an ``Ignore``, for which the worker sends nothing).
-CELERY_EVENT_TYPES = ("task-failed",)
+#: Celery's own events for what the package ended itself: an attempt past
+#: ``fenced_max_task_duration`` (it ends as an ``Ignore``, for which the worker sends nothing),
+#: and a task cancelled while no owner ran it (no worker hears of that cancel).
+CELERY_EVENT_TYPES = ("task-failed", "task-revoked")
 
 _settings: dict[str, Any] = {"enabled": None, "hostname": None}
 _lock = threading.Lock()
@@ -85,12 +86,17 @@ def send(
     token: int,
     stage: str | None,
     attempt: int,
+    always: bool = False,
     **fields: Any,
 ) -> bool:
-    """Send one event about ``task_id``; returns False when events are off or sending failed."""
+    """Send one event about ``task_id``; returns False when events are off or sending failed.
+
+    ``always`` sends it even where this process has events off (an operator's command, whose
+    news no worker sends).
+    """
     if event_type not in EVENT_TYPES and event_type not in CELERY_EVENT_TYPES:
         raise ValueError(f"unknown event type {event_type!r}")
-    if not enabled(app):
+    if not always and not enabled(app):
         return False
     try:
         with _lock:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from celery_fenced.harness import free_port
-from tests.integration.conftest import KEYS, Cluster, lease
+from tests.integration.conftest import KEYS, Cluster, lease, stored
 from tests.support.processes import CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -191,6 +191,26 @@ def test_flower_shows_a_cancelled_task_as_revoked(cluster: Cluster) -> None:
     assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
     shown = wait_until(lambda: (t := task()).get("state") == "REVOKED" and t, 20, "Flower to show REVOKED")
     assert shown["attempts"][0]["outcome"] == "cancelled"  # type: ignore[index]
+
+
+def test_flower_shows_a_task_cancelled_while_nobody_runs_it_as_revoked(cluster: Cluster) -> None:
+    _, base = start_flower(cluster)
+    app = cluster.app()
+    cluster.worker("w1")
+
+    def task(task_id: str) -> dict:  # type: ignore[type-arg]
+        response = httpx.get(f"{base}/api/task/info/{task_id}", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+
+    quick = app.fenced_add.delay(1, 2)
+    assert quick.get(timeout=20) == 3
+    wait_until(lambda: task(quick.id).get("state") == "SUCCESS", 20, "Flower to follow the worker's events")
+    later = app.fenced_add.apply_async((1, 2), countdown=3600)  # received, waiting for its eta
+    wait_until(lambda: task(later.id).get("state") == "RECEIVED", 20, "Flower to show the task received")
+    wait_until(lambda: lease(cluster, later.id).get("status") == "RESERVED", 20, "the worker's reservation")
+    assert cluster.cli("cancel", later.id).stdout.strip() == f"{later.id}: cancelled"
+    wait_until(lambda: task(later.id).get("state") == "REVOKED", 20, "Flower to show REVOKED")
+    assert stored(cluster, later.id)["status"] == "REVOKED"  # type: ignore[index]
 
 
 def test_flower_shows_the_stage_a_task_ended_in(cluster: Cluster) -> None:

@@ -256,6 +256,23 @@ class Cluster:
                 backend.lease_store.close()
 
 
+def zombie_scenario(cluster: Cluster, environ: dict[str, str] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """A stalled owner on w1, its takeover by w2, then the zombie's late SUCCESS refused.
+
+    ``environ`` is given to both workers. Returns the task id and its runs (two).
+    """
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1, environ=environ)
+    result = app.zombie_once.delay("x")
+    cluster.wait_runs(result.id, 1)
+    cluster.worker("w2", concurrency=1, environ=environ)
+    runs = cluster.wait_runs(result.id, 2, timeout=20)
+    assert result.get(timeout=20) == f"owner {runs[1]['token']} x"
+    cluster.wake(result.id)
+    wait_until(lambda: "stale write dropped" in w1.log(), 15, "the zombie's write to be refused")
+    return result.id, runs
+
+
 def _flushall(server: RedisServer) -> None:
     with server.client() as client:
         client.flushall()

@@ -15,7 +15,7 @@ import pytest
 
 from celery_fenced import dashboards
 from celery_fenced.harness import free_port
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, zombie_scenario
 from tests.monitoring.conftest import prometheus_tool
 from tests.support.processes import wait_until
 
@@ -99,15 +99,7 @@ def test_the_takeover_alert_fires_on_a_real_takeover_and_every_panel_queries(clu
         wait_until(lambda: len(query(url, "owner_takeover_total")) == 3, 20, "the takeover counters at 0 to be scraped")
         assert not firing(url, "FencedTakeoverRateHigh")
 
-        app = cluster.app()
-        cluster.worker("w1", concurrency=1)
-        result = app.zombie_once.delay("x")
-        cluster.wait_runs(result.id, 1)
-        cluster.worker("w2", concurrency=1)
-        cluster.beat()
-        runs = cluster.wait_runs(result.id, 2, timeout=20)
-        assert result.get(timeout=20) == f"owner {runs[1]['token']} x"
-        cluster.wake(result.id)
+        zombie_scenario(cluster)
 
         [alert] = wait_until(lambda: firing(url, "FencedTakeoverRateHigh"), 60, "FencedTakeoverRateHigh to fire")
         assert alert["labels"]["severity"] == "warning"

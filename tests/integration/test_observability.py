@@ -13,24 +13,10 @@ import httpx
 import pytest
 
 from celery_fenced.harness import free_port
-from tests.integration.conftest import KEYS, Cluster, lease, stored
+from tests.integration.conftest import KEYS, Cluster, lease, stored, zombie_scenario
 from tests.support.processes import CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def zombie_scenario(cluster: Cluster) -> tuple[str, list]:  # type: ignore[type-arg]
-    """A stalled owner, a takeover, then the zombie's late SUCCESS refused."""
-    app = cluster.app()
-    w1 = cluster.worker("w1", concurrency=1)
-    result = app.zombie_once.delay("obs")
-    cluster.wait_runs(result.id, 1)
-    cluster.worker("w2", concurrency=1)
-    runs = cluster.wait_runs(result.id, 2, timeout=20)
-    assert result.get(timeout=20).startswith("owner ")
-    cluster.wake(result.id)
-    wait_until(lambda: "stale write dropped" in w1.log(), 15, "the zombie's write to be refused")
-    return result.id, runs
 
 
 def start_flower(cluster: Cluster) -> tuple[CeleryProcess, str]:

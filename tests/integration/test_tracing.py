@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, zombie_scenario
 from tests.support.processes import wait_until
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing test needs the extra 'otel' and the SDK")
@@ -50,21 +50,12 @@ def linked(span: dict[str, Any]) -> dict[str, str]:
 
 def test_a_takeover_is_one_linked_history_of_spans(cluster: Cluster, tmp_path: Path) -> None:
     trace_file = tmp_path / "spans.jsonl"
-    traced = {"FENCED_TEST_TRACE_FILE": str(trace_file)}
-    app = cluster.app()
-    cluster.worker("w1", concurrency=1, environ=traced)
-    result = app.zombie_once.delay("x")
-    cluster.wait_runs(result.id, 1)
-    cluster.worker("w2", concurrency=1, environ=traced)
-    cluster.beat()
-    runs = cluster.wait_runs(result.id, 2, timeout=20)
-    assert result.get(timeout=20) == f"owner {runs[1]['token']} x"
-    cluster.wake(result.id)  # the zombie's late write is refused: its span ends then
+    task_id, runs = zombie_scenario(cluster, environ={"FENCED_TEST_TRACE_FILE": str(trace_file)})
 
-    wait_until(lambda: len(runs_of(trace_file, result.id)) == 2, 20, "both attempts' run spans")
-    wait_until(lambda: takeovers_of(trace_file, result.id), 10, "the reaper's re-send span")
-    first, second = runs_of(trace_file, result.id)
-    [takeover] = takeovers_of(trace_file, result.id)
+    wait_until(lambda: len(runs_of(trace_file, task_id)) == 2, 20, "both attempts' run spans")
+    wait_until(lambda: takeovers_of(trace_file, task_id), 10, "the reaper's re-send span")
+    first, second = runs_of(trace_file, task_id)
+    [takeover] = takeovers_of(trace_file, task_id)
 
     # Each attempt's span tells which attempt it was.
     assert first["attributes"]["celery_fenced.token"] == runs[0]["token"]

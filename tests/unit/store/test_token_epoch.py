@@ -174,7 +174,7 @@ def test_an_epoch_its_replica_did_not_take_in_time_is_said_and_tokens_go_on(
     replicated.caught_up(replicated.primary, replicated.replica)
     replicated.proxy.hold()
     store = LeaseStore(client, KEYS)
-    with caplog.at_level(logging.WARNING, logger="celery_fenced.store"):
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.tokens"):
         assert tokens(store, "a", 1) == [3 + TOKEN_EPOCH_JUMP + 1]
     assert f"reached 0 of 1 replicas within {EPOCH_WAIT_MS} ms" in caplog.text
     store.close()

@@ -150,14 +150,14 @@ def status(
 def _print_workers(store: LeaseStore, as_json: bool) -> None:
     now = store.server_time_ms()
     rows: list[dict[str, Any]] = []
-    for worker_id, until in store.workers():
+    for worker_id, until, reserved in store.workers():
         parts = worker_id.rsplit("/", 2)  # "<hostname>/<pid>/<start>"
         rows.append(
             {
                 "worker": worker_id,
                 "hostname": hostname_of(worker_id),
                 "pid": int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None,
-                "reserved": store.reserved_count(worker_id),
+                "reserved": reserved,
                 "seconds_left": (until - now) / 1000,
                 "alive": until > now,
             }

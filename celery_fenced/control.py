@@ -43,18 +43,17 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
         return backend.encoded_meta(task_id, TaskRevokedError(reason), states.REVOKED, token)
 
     expires_ms = backend.expires_ms(states.REVOKED)
-    before = store.read(task_id)
-    owned = before is not None and before.status in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
-    code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
-    if code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
-        code = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
+    answer = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
+    if answer.code == CancelOutcome.RETRY_LATER:  # a token was taken between reserve and script: take another
+        answer = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
+    code = answer.code
     if code == CancelOutcome.CANCELLED:
         logger.warning("task %s cancelled", task_id)
         # A chord member's part is counted, as Celery counts a revoked one.
         state = store.read(task_id)
         call = state.call if state is not None else None
         backend.ended_without_owner(task_id, call, TaskRevokedError(reason), states.REVOKED)
-        if not owned:
+        if not answer.had_owner:
             # An owner hears of the cancel at its next renewal and tells Flower; a task nobody
             # runs (waiting, received, taken over) has nobody to: tell it here.
             events.send(

@@ -23,6 +23,7 @@ __all__ = [
     "AcquireResult",
     "BeginEpochOutcome",
     "CancelOutcome",
+    "CancelResult",
     "Checkpoint",
     "ClaimOutcome",
     "ClaimResult",
@@ -139,6 +140,20 @@ class CancelOutcome(StrEnum):
     FINISHED = "finished"
     UNKNOWN = "unknown"
     RETRY_LATER = "retry-later"
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What ``cancel.lua`` answered: its code, and the lease's status before it (``""`` for no
+    lease; ``"result"`` for a result without one)."""
+
+    code: CancelOutcome
+    previous: str
+
+    @property
+    def had_owner(self) -> bool:
+        """True when an owner held the lease (it learns of the cancel at its next renewal)."""
+        return self.previous in (LeaseStatus.RUNNING, LeaseStatus.STALLED)
 
 
 class RedriveOutcome(StrEnum):

@@ -25,6 +25,7 @@ from .state import (
     AcquireOutcome,
     AcquireResult,
     CancelOutcome,
+    CancelResult,
     Checkpoint,
     ClaimOutcome,
     ClaimResult,
@@ -152,20 +153,19 @@ class LeaseStore:
         """A worker stopped: remove its liveness record (its reservations wait for their start timeout)."""
         self.scripts.worker_left(keys=[self.keys.workers, self.keys.reserved_by(worker_id)], args=[worker_id])
 
-    def workers(self) -> list[tuple[str, int]]:
-        """Every worker's liveness record, ``(worker id, alive until ms)``, the first to lapse first.
+    def workers(self) -> list[tuple[str, int, int]]:
+        """Every worker's liveness record, ``(worker id, alive until ms, reservations held)``,
+        the first to lapse first, in two round trips.
 
         A record past its time belongs to a worker gone without saying so: the reaper's next
         pass makes its reservations due and drops it.
         """
-        return [
-            (as_text(member), int(until))
-            for member, until in self.client.zrange(self.keys.workers, 0, -1, withscores=True)
-        ]
-
-    def reserved_count(self, worker_id: str) -> int:
-        """How many reservations a worker holds (messages it received and has not started)."""
-        return int(self.client.zcard(self.keys.reserved_by(worker_id)))
+        records = self.client.zrange(self.keys.workers, 0, -1, withscores=True)
+        pipe = self.client.pipeline(transaction=False)
+        for member, _ in records:
+            pipe.zcard(self.keys.reserved_by(as_text(member)))
+        held = pipe.execute() if records else []
+        return [(as_text(member), int(until), int(count)) for (member, until), count in zip(records, held, strict=True)]
 
     def lapse_dead_workers(self) -> dict[str, int]:
         """Make the reservations of every worker whose liveness record lapsed due now.
@@ -413,11 +413,12 @@ class LeaseStore:
             results.append(ClaimResult(task_id, checked, as_text(cause), state))
         return results
 
-    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int, unknown_too: bool = False) -> CancelOutcome:
+    def cancel(self, task_id: str, revoked_meta: Any, *, expires_ms: int, unknown_too: bool = False) -> CancelResult:
         """End a task for good; ``revoked_meta(token)`` encodes its REVOKED meta.
 
         A task id with neither lease nor result is ``"unknown"`` and nothing is stored,
-        unless ``unknown_too`` (for a task still waiting in the queue).
+        unless ``unknown_too`` (for a task still waiting in the queue). The answer also
+        says what the lease was before (whether an owner held it).
         """
         keys = [
             self.keys.lease(_require_task_id(task_id)),
@@ -426,8 +427,8 @@ class LeaseStore:
         ]
         token = self.tokens.reserve(1)
         args = [token, revoked_meta(token), max(0, expires_ms), "1" if unknown_too else "0"]
-        answer = self.scripts.cancel(keys=keys, args=args)
-        return outcome(CancelOutcome, "cancel", answer[0])
+        code, previous = self.scripts.cancel(keys=keys, args=args)
+        return CancelResult(outcome(CancelOutcome, "cancel", code), as_text(previous))
 
     def redrive(self, task_id: str) -> RedriveOutcome:
         """Put an ABANDONED task back for a fresh set of takeovers."""

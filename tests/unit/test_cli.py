@@ -154,7 +154,8 @@ def test_status_lists_the_workers_liveness_records(fenced_app: Celery) -> None:
     received = [Reservation(task_id, 60_000, "proj.task", CALL, 3, publish_id="p1") for task_id in ("r1", "r2")]
     store.reserve_many(received, "w1@box", "w1@box/4242/abc")
     store.worker_alive("w2@box/77/def", 1)  # gone without saying so: lapsed at once
-    wait_until(lambda: store.server_time_ms() > dict(store.workers())["w2@box/77/def"], 5, "the record to lapse")
+    lapses_at = {worker_id: until for worker_id, until, _ in store.workers()}["w2@box/77/def"]
+    wait_until(lambda: store.server_time_ms() > lapses_at, 5, "the record to lapse")
     rows = [json.loads(line) for line in run(fenced_app, "status", "--workers", "--json").output.splitlines()]
     assert [(r["hostname"], r["pid"], r["reserved"], r["alive"]) for r in rows] == [
         ("w2@box", 77, 0, False),

@@ -168,7 +168,7 @@ def test_a_finished_task_id_applied_again_runs_again_but_a_copy_of_its_run_does_
 
 def test_a_cancelled_task_id_is_not_run_again_by_another_publish(store: LeaseStore) -> None:
     acquire(store, publish_id="p1")
-    assert store.cancel("t1", lambda token: b"revoked", expires_ms=0) == "cancelled"
+    assert store.cancel("t1", lambda token: b"revoked", expires_ms=0).code == "cancelled"
     assert acquire(store, owner="host/2/b", publish_id="p2").outcome is AcquireOutcome.DONE
 
 

@@ -17,8 +17,8 @@ BENCHMARKS = [
     ("heartbeat tick per lease", ["heartbeat_tick.py"], ["heartbeat_tick.py", "--leases", "1", "100", "--ticks", "5"]),
     (
         "throughput, Redis CPU and round trips",
-        ["throughput.py", "--configs", "users,events,quiet"],
-        ["throughput.py", "--configs", "users", "--tasks", "100", "--rounds", "1"],
+        ["throughput.py", "--configs", "users,events,quiet", "--floor"],
+        ["throughput.py", "--configs", "users", "--tasks", "100", "--rounds", "1", "--floor"],
     ),
     (
         "the gevent pool: tasks waiting on a socket",

@@ -11,7 +11,9 @@ figure grows about as much on both sides.
 With valgrind on the PATH it also counts the server's CPU instructions per task on each
 side (callgrind's count of a redis-server run for it, once with ``--tasks`` tasks and once
 with a quarter of them, so start and shutdown drop out): a figure that is the same for the
-same scripts whatever else the machine does, so a cut of a few per cent shows.
+same scripts whatever else the machine does, so a cut of a few per cent shows. It counts the
+floor too (``benchmarks/floor``): the same two calls with the same arguments, scripts that
+only take a token and write Celery's result; what is above it is the lease's own work.
 
     python benchmarks/script_cost.py [--tasks 3000] [--rounds 3]
 """
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 
 from benchmarks._harness import Harness
+from benchmarks.floor import floor_scripts
 from benchmarks.throughput import redis_counters
 from celery_fenced.finished import FENCE_RUN, run_text
 from celery_fenced.harness import default_binary, free_port, wait_until
@@ -169,10 +172,17 @@ def instructions_per_task(tasks: int) -> dict[str, float]:
     for a quarter of them, over the difference."""
     few = max(1, tasks // 4)
     per_task = {}
-    for side, run in (("fenced", fenced_round), ("plain", plain_round)):
+    for side, run in (("fenced", fenced_round), ("floor", floor_round), ("plain", plain_round)):
         counts = [counted_instructions(partial(run, tasks=n)) for n in (few, tasks)]
         per_task[side] = (counts[1] - counts[0]) / (tasks - few)
     return per_task
+
+
+def floor_round(client: Any, tasks: int) -> tuple[dict[str, float], float]:
+    """:func:`fenced_round` with the floor's scripts (``benchmarks/floor``): the same calls,
+    the same arguments, only a token taken and Celery's result written."""
+    with floor_scripts():
+        return fenced_round(client, tasks)
 
 
 def main() -> int:
@@ -212,6 +222,11 @@ def main() -> int:
     print(
         f"  server instructions per task (callgrind): fenced {counted['fenced']:,.0f}, plain {counted['plain']:,.0f}:"
         f" ratio {counted['fenced'] / counted['plain']:.2f}"
+    )
+    print(
+        f"  the floor (benchmarks/floor: the same two script calls, only a token and Celery's result): "
+        f"{counted['floor']:,.0f}, ratio {counted['floor'] / counted['plain']:.2f}; the lease's own work "
+        f"{counted['fenced'] - counted['floor']:,.0f}"
     )
     return 0
 

@@ -30,6 +30,7 @@ and that the heartbeat renews 1, 10 or 100 leases of a process in one round trip
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import random
 import statistics
@@ -119,9 +120,12 @@ def redis_counters(client) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """The server's CPU seconds, commands and publishes so far (``INFO``)."""
     cpu = client.info("cpu")
     stats = client.info("commandstats")
+    memory = client.info("memory")
     return {
         "redis_cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
-        "used_memory": float(client.info("memory")["used_memory"]),
+        # Less the clients' buffers: Redis shrinks an idle connection's buffers, so the other
+        # sides' idle workers would move them into a side's round.
+        "used_memory": float(memory["used_memory"] - memory["mem_clients_normal"]),
         "commands": float(sum(v["calls"] for v in stats.values())),
         "publishes": float(stats.get("cmdstat_publish", {}).get("calls", 0)),
         **{name.removeprefix("cmdstat_"): float(v["calls"]) for name, v in stats.items()},
@@ -137,15 +141,29 @@ class Round:
     cpu: dict[str, float]  # CPU seconds of client, worker, children
 
 
+def settle(client, bound: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    """Collect the client process's garbage and wait (bounded) until Redis has seen the
+    connections it held close: a connection left in a reference cycle by one round, closed
+    during the next, would move its buffers' memory from one side's round to another's."""
+    gc.collect()
+    deadline = time.monotonic() + bound
+    seen = [client.info("clients")["connected_clients"]]
+    while time.monotonic() < deadline and not (len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]):
+        time.sleep(0.02)
+        seen.append(client.info("clients")["connected_clients"])
+
+
 def run_round(  # type: ignore[no-untyped-def]
     harness: Harness, task, count: int, seconds: float, wait: str, cpu: CpuMeter | None = None
 ) -> Round:
+    settle(harness.client)
     before = redis_counters(harness.client)
     cpu_before = cpu.read() if cpu else {}
     start = time.perf_counter()
     (send_and_wait if wait == "get" else send_and_poll)(task, count, seconds)
     elapsed = time.perf_counter() - start
     cpu_used = {name: value - cpu_before[name] for name, value in cpu.read().items()} if cpu else {}
+    settle(harness.client)
     after = redis_counters(harness.client)
     return Round(elapsed, {name: after[name] - before.get(name, 0.0) for name in after}, cpu_used)
 
@@ -262,14 +280,17 @@ CONFIGURATIONS = {
     ),
 }
 SIDES = {"plain": "benchmarks.bench_plain", "fenced": "benchmarks.bench_app:app"}
+#: ``--floor``: a fenced worker whose acquire and store scripts do the least they can
+#: (``benchmarks/floor``): what the two script calls cost, whatever the lease does.
+FLOOR_SIDE = {"floor": "benchmarks.bench_floor:app"}
 
 
 def tasks_of(body: str = "sleep") -> dict[str, object]:
-    from benchmarks import bench_app, bench_plain
+    from benchmarks import bench_app, bench_floor, bench_plain
 
     if body == "socket":
         return {"plain": bench_plain.plain_socket_wait, "fenced": bench_app.fenced_socket_wait}
-    return {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short}
+    return {"plain": bench_plain.plain_short, "fenced": bench_app.fenced_short, "floor": bench_floor.floor_short}
 
 
 def compare(harness: Harness, name: str, args: argparse.Namespace) -> None:
@@ -277,50 +298,57 @@ def compare(harness: Harness, name: str, args: argparse.Namespace) -> None:
     config = CONFIGURATIONS[name]
     wait, task_ms = config.wait, config.task_ms or args.task_ms
     tasks = tasks_of(config.body)
+    sides = dict(SIDES, **(FLOOR_SIDE if args.floor and "floor" in tasks else {}))
     workers, meters = {}, {}
-    for label, app_path in SIDES.items():
+    for label, app_path in sides.items():
         workers[label] = harness.worker(
             f"{label}-{name}", pool=config.pool, concurrency=config.concurrency, app=app_path, events=config.events
         )
         meters[label] = CpuMeter(harness, workers[label].pid)
         run_round(harness, tasks[label], 50, task_ms / 1000, wait)  # warm up
-    # Rounds alternate (the order flips each round), so a drift in the machine's load weighs
-    # on both sides alike; the idle worker waits on its own queue meanwhile.
-    measured: dict[str, list[Round]] = {"plain": [], "fenced": []}
+    # Rounds alternate (the order turns each round), so a drift in the machine's load weighs
+    # on every side alike; the idle workers wait on their own queues meanwhile.
+    labels = list(sides)
+    measured: dict[str, list[Round]] = {label: [] for label in labels}
     for number in range(args.rounds):
-        order = ("plain", "fenced") if number % 2 == 0 else ("fenced", "plain")
-        for label in order:
+        turn = number % len(labels)
+        for label in labels[turn:] + labels[:turn]:
             measured[label].append(run_round(harness, tasks[label], args.tasks, task_ms / 1000, wait, meters[label]))
     for worker in workers.values():
         harness.stop(worker)
-    ratios = [f.elapsed / p.elapsed for f, p in zip(measured["fenced"], measured["plain"], strict=True)]
-    ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
     print(
         f"{config.title}: {args.tasks} tasks of {task_ms:g} ms, {config.pool} c={config.concurrency}, "
-        f"{args.rounds} round pairs"
+        f"{args.rounds} rounds of each side"
     )
-    for label in ("plain", "fenced"):
+    for label in labels:
         rate = args.tasks / statistics.median(r.elapsed for r in measured[label])
         print(
             f"  {label:<7} {rate:7.1f} tasks/s (median round); rounds: "
             + ", ".join(f"{args.tasks / r.elapsed:.0f}" for r in measured[label])
         )
-    print(f"  time ratio fenced/plain = {ratio:.3f}, 90% interval {low:.3f}-{high:.3f} (target <= 1.05)")
-    print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
+    for label in labels[1:]:
+        ratios = [f.elapsed / p.elapsed for f, p in zip(measured[label], measured["plain"], strict=True)]
+        ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
+        print(f"  time ratio {label}/plain = {ratio:.3f}, 90% interval {low:.3f}-{high:.3f} (target <= 1.05)")
+        print(f"  ratio per round pair: {', '.join(f'{r:.3f}' for r in ratios)}")
 
     def per_task(label: str, value) -> float:  # type: ignore[no-untyped-def]
         return statistics.median(value(r) for r in measured[label]) / args.tasks
 
+    def against_plain(what: str, figures: dict[str, float], unit: str, target: float) -> None:
+        shown = ", ".join(f"{label} {figures[label]:.0f} {unit}" for label in labels)
+        ratios = ", ".join(f"{label} {figures[label] / figures['plain']:.3f}" for label in labels[1:])
+        print(f"  {what}: {shown}: ratio {ratios} (target <= {target:.2f})")
+
     redis_cpu = {label: per_task(label, lambda r: r.counters["redis_cpu"]) * 1e6 for label in measured}
-    print(
-        f"  Redis server CPU per task: plain {redis_cpu['plain']:.0f} us, fenced {redis_cpu['fenced']:.0f} us: "
-        f"ratio {redis_cpu['fenced'] / redis_cpu['plain']:.3f} (target <= 1.10)"
-    )
-    memory = {label: per_task(label, lambda r: r.counters["used_memory"]) for label in measured}
-    print(
-        f"  Redis memory per finished task (used_memory's growth over a round, results kept): "
-        f"plain {memory['plain']:.0f} B, fenced {memory['fenced']:.0f} B: ratio "
-        f"{memory['fenced'] / memory['plain']:.3f} (target <= 1.25)"
+    against_plain("Redis server CPU per task", redis_cpu, "us", 1.10)
+    # Memory: each side's growth over all its rounds, not a median round's: a side's result
+    # keys live in databases of its own, and the rounds where their tables double belong to it.
+    memory = {
+        label: sum(r.counters["used_memory"] for r in measured[label]) / (args.tasks * args.rounds) for label in labels
+    }
+    against_plain(
+        "Redis memory per finished task (used_memory's growth over its rounds, results kept)", memory, "B", 1.25
     )
     counted = sorted(
         {name for r in measured["fenced"] + measured["plain"] for name in r.counters} - {"redis_cpu", "used_memory"}
@@ -330,11 +358,11 @@ def compare(harness: Harness, name: str, args: argparse.Namespace) -> None:
         for label in measured
     }
     shown = [
-        f"{name} {by_command['plain'][name]:.2f}/{by_command['fenced'][name]:.2f}"
+        f"{name} " + "/".join(f"{by_command[label][name]:.2f}" for label in labels)
         for name in counted
-        if name not in ("commands", "publishes") and max(by_command["plain"][name], by_command["fenced"][name]) >= 0.05
+        if name not in ("commands", "publishes") and max(by_command[label][name] for label in labels) >= 0.05
     ]
-    print("  Redis commands per task by name, plain/fenced: " + ", ".join(shown))
+    print(f"  Redis commands per task by name, {'/'.join(labels)}: " + ", ".join(shown))
     for what in ("commands", "publishes"):
         shown = ", ".join(f"{label} {per_task(label, lambda r, w=what: r.counters[w]):.2f}" for label in measured)
         print(f"  Redis {what} per task (script-internal included): {shown}")
@@ -369,6 +397,9 @@ def main() -> int:
     parser.add_argument("--task-ms", type=float, default=2.0, help="how long each task's body sleeps (not gevent's)")
     parser.add_argument("--scale", action="store_true", help="4 worker processes, one client, 10,000 tasks")
     parser.add_argument("--no-monitor", action="store_true", help="skip the MONITOR count of round trips")
+    parser.add_argument(
+        "--floor", action="store_true", help="a third side: fenced with the floor's scripts (benchmarks/floor)"
+    )
     args = parser.parse_args()
     if args.tasks is None:
         args.tasks = 10_000 if args.scale else 1000

@@ -24,6 +24,7 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
         "ratio progress('load-data') / HSET",
         "timer lock: PEXPIRE each",
         "time ratio fenced/plain",
+        "time ratio floor/plain",
         "Redis server CPU per task",
         "Redis publishes per task",
         "CPU per task, ms",
@@ -41,3 +42,4 @@ def test_every_benchmark_runs_and_prints_its_figures() -> None:
         assert figure in output, f"{figure!r} missing from:\n{output[-5000:]}"
     if shutil.which("valgrind"):  # callgrind counts a real worker's task process
         assert "ratio fenced/plain = " in output and "(task process)" in output, output[-5000:]
+        assert "the floor (benchmarks/floor" in output, output[-5000:]

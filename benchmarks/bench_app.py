@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 import redis
-from celery import Celery
 
+from benchmarks._apps import REDIS, fenced_bench_app
 from benchmarks._waits import wait_on_a_socket
-from celery_fenced import ProgressLeasedTask, install
+from celery_fenced import ProgressLeasedTask
 
-REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
-
-app = Celery("bench_app", broker=f"{REDIS}/0", backend=f"fenced+{REDIS}/1")
-app.conf.update(
-    worker_prefetch_multiplier=1,
-    worker_disable_prefetch=True,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
-    fenced_lease_ttl=3,
-    fenced_heartbeat_interval=0.5,
-    fenced_stage_timeouts={"work": 1.0},
-    fenced_reaper_interval=1,
-)
-app.conf.update(json.loads(os.environ.get("FENCED_BENCH_SETTINGS", "{}")))
-install(app)
+app = fenced_bench_app("bench_app", broker_db=0, backend_db=1)
 
 _marks: redis.Redis | None = None
 

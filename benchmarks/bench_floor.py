@@ -8,31 +8,16 @@ process that imports this module for the task keeps the package's scripts.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-from celery import Celery, signals
+from celery import signals
 
+from benchmarks._apps import fenced_bench_app
 from benchmarks.floor import use_floor_scripts
-from celery_fenced import ProgressLeasedTask, install
+from celery_fenced import ProgressLeasedTask
 
-REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
-
-app = Celery("bench_floor", broker=f"{REDIS}/5", backend=f"fenced+{REDIS}/6")
-app.conf.update(
-    worker_prefetch_multiplier=1,
-    worker_disable_prefetch=True,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
-    fenced_lease_ttl=3,
-    fenced_heartbeat_interval=0.5,
-    fenced_stage_timeouts={"work": 1.0},
-    fenced_reaper_interval=1,
-)
-app.conf.update(json.loads(os.environ.get("FENCED_BENCH_SETTINGS", "{}")))
-install(app)
+app = fenced_bench_app("bench_floor", broker_db=5, backend_db=6)
 
 
 @signals.worker_init.connect(weak=False)

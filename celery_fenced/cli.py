@@ -337,7 +337,8 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
     from prometheus_client import start_http_server
     from prometheus_client.core import REGISTRY
 
-    REGISTRY.register(ClusterCollector(_store(_app(ctx))))
+    app = _app(ctx)
+    REGISTRY.register(ClusterCollector(_store(app), due_within_ms=ensure_conf(app).due_horizon_ms))
     start_http_server(port, addr=addr)
     click.echo(f"celery-fenced metrics on http://{addr}:{port}/metrics", err=True)
     try:

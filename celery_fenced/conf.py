@@ -190,6 +190,13 @@ class FencedConfig:
     policy: TaskPolicy
     raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
 
+    @property
+    def due_horizon_ms(self) -> int:
+        """How far ahead of now a lease the reaper watches counts as due: a held lease's expiry
+        is at most one lease length ahead, and a waiting one's is its eta plus the requeue or
+        start timeout, so a retry or a reservation counts once its eta has come."""
+        return int(max(self.policy.lease_ttl, self.requeue_timeout, self.start_timeout) * 1000)
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> FencedConfig:
         """Validate settings given by their ``fenced_*`` names (missing ones take defaults)."""

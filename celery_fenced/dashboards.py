@@ -115,9 +115,10 @@ PANELS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Live leases and heartbeats",
-                "Leases the reaper watches, and the heartbeat checks that keep them.",
+                "Leases the reaper watches, those held or due now, and the heartbeat checks that keep them.",
                 (
                     ("sum(owner_live_leases)", "live leases"),
+                    ("sum(owner_due_leases)", "held or due"),
                     (f"sum(rate(owner_heartbeat_total[{_RATE}]))", "heartbeat checks/s"),
                 ),
             ),

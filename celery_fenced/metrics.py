@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .conf import DEFAULTS
 from .names import NameMemo
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUCKETS",
     "COUNTERS",
+    "DEFAULT_DUE_HORIZON_MS",
     "GAP_MIN",
     "GAP_RATIO",
     "GAUGES",
@@ -61,7 +63,13 @@ COUNTERS: Mapping[str, str] = {
 GAUGES: Mapping[str, str] = {
     "owner_abandoned_tasks": "Tasks abandoned after max_takeovers and not redriven (the dead letters).",
     "owner_live_leases": "Leases the reaper watches: held, or waiting for a worker or a retry.",
+    "owner_due_leases": "Live leases held, or waiting past their eta: those an owner or a worker should act on now.",
 }
+
+#: ``owner_due_leases``'s horizon with the default settings (``FencedConfig.due_horizon_ms``).
+DEFAULT_DUE_HORIZON_MS = int(
+    max(DEFAULTS[name] for name in ("fenced_lease_ttl", "fenced_requeue_timeout", "fenced_start_timeout")) * 1000
+)
 
 #: Label values a counter is served with from the start, at 0 until counted: Prometheus's
 #: ``increase()`` sees the first takeover of each cause only if its series existed before it.
@@ -293,8 +301,10 @@ def read_totals(store: LeaseStore) -> Iterator[tuple[str, str, float]]:
 class ClusterCollector:
     """A Prometheus collector reading the cluster totals from Redis at each scrape."""
 
-    def __init__(self, store: LeaseStore) -> None:
+    def __init__(self, store: LeaseStore, due_within_ms: int = DEFAULT_DUE_HORIZON_MS) -> None:
         self.store = store
+        #: ``owner_due_leases`` counts the leases due within this much (``FencedConfig.due_horizon_ms``).
+        self.due_within_ms = due_within_ms
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -303,6 +313,8 @@ class ClusterCollector:
         yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.abandoned_count()))
         name = "owner_live_leases"
         yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.live_count()))
+        name = "owner_due_leases"
+        yield GaugeMetricFamily(name, GAUGES[name], value=float(self.store.due_count(self.due_within_ms)))
 
         counters: dict[str, dict[str, float]] = defaultdict(dict)
         histograms: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))

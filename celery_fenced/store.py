@@ -520,6 +520,12 @@ class LeaseStore:
         """How many leases the reaper watches: held, or waiting for a worker or a retry."""
         return int(self.client.zcard(self.keys.index))
 
+    def due_count(self, within_ms: int) -> int:
+        """How many of the leases the reaper watches are due within ``within_ms`` of the
+        server's clock (the index's scores: a held lease's expiry, a waiting one's eta plus
+        its timeout)."""
+        return int(self.client.zcount(self.keys.index, "-inf", self.server_time_ms() + within_ms))
+
     def forget_abandoned(self, task_ids: Iterable[str]) -> None:
         """Drop dead letters whose lease is gone (it expired with the abandoned result)."""
         members = [self.keys.lease(task_id) for task_id in task_ids]

@@ -89,7 +89,9 @@ def test_new_stage_series_past_the_bound_are_counted_under_other(
     assert float(known) == 2 and float(other) == 2  # type: ignore[arg-type]
 
 
-def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_leases(redis_client: redis.Redis) -> None:
+def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_and_due_leases(
+    redis_client: redis.Redis,
+) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from celery_fenced.keys import KeySpace
@@ -107,8 +109,23 @@ def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_leases(
     counted = MetricsBuffer()
     counted.inc("owner_takeover_total", cause="gone")
     counted.flush(store)
+    # Two leases due long ago, one whose retry is due in ten hours: live, not due.
+    later = store.server_time_ms() + 10 * 3600 * 1000
     redis_client.zadd(store.keys.index, {store.keys.lease("t1"): 1, store.keys.lease("t2"): 2})
+    redis_client.zadd(store.keys.index, {store.keys.lease("t3"): later})
     text = generate_latest(registry).decode()
     assert 'owner_takeover_total{cause="gone"} 1.0' in text
     assert 'owner_takeover_total{cause="stalled"} 0.0' in text
-    assert "owner_live_leases 2.0" in text
+    assert "owner_live_leases 3.0" in text
+    assert "owner_due_leases 2.0" in text
+
+
+def test_a_lease_counts_as_due_within_the_longest_of_the_lease_and_the_timeouts() -> None:
+    from celery_fenced.conf import FencedConfig
+    from celery_fenced.metrics import DEFAULT_DUE_HORIZON_MS
+
+    assert FencedConfig.from_mapping({}).due_horizon_ms == DEFAULT_DUE_HORIZON_MS == 60_000
+    assert FencedConfig.from_mapping({"fenced_requeue_timeout": 120}).due_horizon_ms == 120_000
+    assert (
+        FencedConfig.from_mapping({"fenced_lease_ttl": 300, "fenced_heartbeat_interval": 5}).due_horizon_ms == 300_000
+    )

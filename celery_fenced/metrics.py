@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .conf import DEFAULTS
+from .conf import FencedConfig
 from .names import NameMemo
 
 if TYPE_CHECKING:
@@ -66,10 +66,8 @@ GAUGES: Mapping[str, str] = {
     "owner_due_leases": "Live leases held, or waiting past their eta: those an owner or a worker should act on now.",
 }
 
-#: ``owner_due_leases``'s horizon with the default settings (``FencedConfig.due_horizon_ms``).
-DEFAULT_DUE_HORIZON_MS = int(
-    max(DEFAULTS[name] for name in ("fenced_lease_ttl", "fenced_requeue_timeout", "fenced_start_timeout")) * 1000
-)
+#: ``owner_due_leases``'s horizon with the default settings.
+DEFAULT_DUE_HORIZON_MS = FencedConfig.from_mapping({}).due_horizon_ms
 
 #: Label values a counter is served with from the start, at 0 until counted: Prometheus's
 #: ``increase()`` sees the first takeover of each cause only if its series existed before it.

@@ -35,6 +35,7 @@ __all__ = [
     "failure_expires",
     "get_actual_ignore_result",
     "is_connected",
+    "is_process_lost",
     "is_request_ignore_result",
     "maintain_pool",
     "outside_any_task",
@@ -149,6 +150,23 @@ def maintain_pool(pool: Any) -> None:
 def request_context(request: Any) -> Any:
     """The task context Celery builds from a worker request's message (``Request._context``)."""
     return request._context
+
+
+def is_process_lost(request: Any, exc: BaseException) -> bool:
+    """Whether ``exc``, given to a worker request's ``on_failure``, says the process running it
+    was lost: Celery's rule (``Request.on_failure``) for a ``WorkerLostError``, and, since
+    billiard 4.3 reports a child's exit itself (Celery 5.7), a ``SystemExit`` or
+    ``KeyboardInterrupt`` that the request's own cancel or revoke did not cause (the private
+    ``_already_cancelled`` and ``_already_revoked``, Celery 5.5-5.7)."""
+    from billiard.einfo import ExceptionWithTraceback
+    from celery.exceptions import WorkerLostError
+
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
+    if isinstance(exc, WorkerLostError):
+        return True
+    stopped_by_request = request._already_cancelled or request._already_revoked
+    return isinstance(exc, (SystemExit, KeyboardInterrupt)) and not stopped_by_request
 
 
 def __getattr__(name: str) -> Any:

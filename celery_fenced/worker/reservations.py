@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -38,7 +39,7 @@ from celery import Celery
 from ..calls import PUBLISH_ID_HEADER, recorded_call
 from ..compat import UTC, request_context
 from ..conf import ensure_conf
-from ..state import Reservation
+from ..state import Reservation, ReserveOutcome
 from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
 
@@ -204,6 +205,45 @@ class ReservationWriter:
             if self.on_dropped is not None:
                 self.on_dropped()
         return count
+
+    def lost(self, request: Any) -> bool:
+        """The process running ``request`` was lost, perhaps before it took the lease: make the
+        task's reservation due now (written if it was not), so the reaper sends it again at once.
+
+        A process accepting a task ends this worker's hold on it (:meth:`started`), and most
+        tasks are never reserved at all: one lost between its acceptance and its lease left no
+        record, and Celery's ``WorkerLostError`` would have been its only result. A lease its
+        owner took is left alone (``reserve.lua``): the store lapses it. Runs in the main
+        process, before Celery writes the failure; returns whether a reservation was made due.
+        """
+        with self._held_lock:
+            self._held.pop(request.id, None)
+        with FORK_GUARD:
+            reservation = self._reservation(request)
+        if reservation is None:
+            return False
+        try:
+            store = self._store()
+            outcomes = self.app.backend.retrying(
+                partial(store.reserve_many, [replace(reservation, expires_in_ms=0)], self.hostname, self.worker_id)
+            )
+        except Exception as exc:
+            logger.warning(
+                "task %s[%s]: its process was lost and its reservation could not be made due (%r); "
+                "a process lost before it took the lease leaves the task to Celery's WorkerLostError",
+                request.name,
+                request.id,
+                exc,
+            )
+            return False
+        if ReserveOutcome.RESERVED not in outcomes:
+            return False  # an owner took the lease, or the task finished
+        logger.warning(
+            "task %s[%s]: its process was lost before it took the lease: it is sent again", request.name, request.id
+        )
+        if self.on_dropped is not None:
+            self.on_dropped()
+        return True
 
     # -- the thread ----------------------------------------------------------------------------
 

@@ -112,6 +112,24 @@ def test_a_killed_prefork_child_is_taken_over_at_once(cluster: Cluster) -> None:
     assert lease(cluster, result.id)["status"] == "DONE"
 
 
+def test_a_prefork_child_killed_before_it_takes_the_lease_is_sent_again(cluster: Cluster) -> None:
+    """Killed between accepting the task and taking its lease, the process left no lease to
+    lapse: the task is still sent again, and Celery's WorkerLostError is never its result."""
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=1, environ={"FENCED_TEST_HOLD_BEFORE_LEASE": "1"})
+    result = app.fenced_add.delay(2, 3)
+    pid = wait_until(lambda: cluster.record.get(f"before-lease:{result.id}"), 15, "the process to accept the task")
+    assert lease(cluster, result.id) == {}  # accepted at once: never reserved, no lease taken
+    os.kill(int(pid), signal.SIGKILL)
+    cluster.record.set(f"release-before-lease:{result.id}", 1)  # for the copy sent again
+    assert result.get(timeout=15) == 5
+    assert "lost before it took the lease" in worker.log()
+    meta = stored(cluster, result.id)
+    assert meta is not None and meta["status"] == "SUCCESS"
+    assert meta["fence_token"] == int(lease(cluster, result.id)["ownerToken"])
+    assert "re-sent (cause=unstarted" in worker.log()
+
+
 def test_a_zombie_in_a_chain_neither_stores_nor_sends_the_next_step(cluster: Cluster) -> None:
     app = cluster.app()
     worker = cluster.worker("w1", concurrency=2)

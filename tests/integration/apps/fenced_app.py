@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 from celery_fenced import LeaseLostError, ProgressLeasedTask, install
 from celery_fenced.compat import CELERY_VERSION
@@ -49,6 +49,16 @@ else:
     # holds no second message.
     app.conf.task_acks_late = True
 app.conf.update(json.loads(os.environ.get("FENCED_TEST_SETTINGS", "{}")))
+if os.environ.get("FENCED_TEST_HOLD_BEFORE_LEASE"):
+    # The fault: a process that accepted a task is held before it takes the lease (connected
+    # before install(), so it runs before the fenced task_prerun receiver), for the test to
+    # kill it there.
+    @signals.task_prerun.connect(weak=False)
+    def hold_before_lease(task_id: str | None = None, **_: Any) -> None:
+        record().set(f"before-lease:{task_id}", os.getpid())
+        wait_for_key(f"release-before-lease:{task_id}", 60)
+
+
 install(app)
 if os.environ.get("FENCED_TEST_TRACE_FILE"):
     from tests.integration.apps import traced  # noqa: F401 (OpenTelemetry, for the tracing test)

@@ -1,5 +1,6 @@
 """celery -A proj fenced …: look at leases, act on one task, serve metrics, tune deadlines.
 
+The commands read, act and echo; what they print is made in :mod:`celery_fenced.listing`.
 Registered as a celery.commands entry point, so it is a subcommand of Celery's own CLI
 and gets the app from -A.
 """
@@ -10,8 +11,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +19,26 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import RedisError
 
 from . import control
-from .compat import UTC
 from .conf import ensure_conf, flush_warnings
 from .exceptions import ConfigurationError
-from .lease_fields import is_time, typed
+from .listing import (
+    LEASE_HEADERS,
+    WORKER_HEADERS,
+    lease_cells,
+    lease_row,
+    render_lease,
+    seconds,
+    table,
+    typed_fields,
+    worker_cells,
+    worker_row,
+)
 from .metrics import ClusterCollector, read_false_takeovers, read_gaps
 from .state import CancelOutcome, RedriveOutcome
-from .store import LeaseStore, hostname_of, lease_store_of
+from .store import LeaseStore, lease_store_of
 from .tuning import suggest
 
-__all__ = ["LISTED_STATES", "LIVE_STATES", "fenced", "render_lease", "typed_fields"]
+__all__ = ["LISTED_STATES", "LIVE_STATES", "fenced"]
 
 
 def _app(ctx: click.Context) -> Any:
@@ -125,89 +134,21 @@ def status(
     rows = rows[:limit]
     if as_json:
         for state in rows:
-            click.echo(json.dumps(_row(state, now)))
+            click.echo(json.dumps(lease_row(state, now)))
         return
-    headers = ("TASK ID", "NAME", "STATUS", "OWNER", "TOKEN", "STAGE", "SINCE PROGRESS", "LEFT", "ATTEMPT", "TAKEOVERS")
-    table = [
-        (
-            r["task_id"],
-            r["name"],
-            r["status"],
-            r["owner"] or "-",
-            str(r["token"]),
-            r["stage"] or "-",
-            _seconds(r["seconds_since_progress"]),
-            _seconds(r["seconds_left"]),
-            str(r["attempt"]),
-            str(r["takeovers"]),
-        )
-        for r in (_row(state, now) for state in rows)
-    ]
-    _print_table(headers, table)
-    click.echo(f"{len(table)} lease(s)")
+    click.echo(table(LEASE_HEADERS, [lease_cells(lease_row(state, now)) for state in rows]))
+    click.echo(f"{len(rows)} lease(s)")
 
 
 def _print_workers(store: LeaseStore, as_json: bool) -> None:
     now = store.server_time_ms()
-    rows: list[dict[str, Any]] = []
-    for worker_id, until, reserved in store.workers():
-        parts = worker_id.rsplit("/", 2)  # "<hostname>/<pid>/<start>"
-        rows.append(
-            {
-                "worker": worker_id,
-                "hostname": hostname_of(worker_id),
-                "pid": int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None,
-                "reserved": reserved,
-                "seconds_left": (until - now) / 1000,
-                "alive": until > now,
-            }
-        )
+    rows = [worker_row(worker_id, until, reserved, now) for worker_id, until, reserved in store.workers()]
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
         return
-    table = [
-        (
-            r["hostname"],
-            str(r["pid"] or "-"),
-            str(r["reserved"]),
-            _seconds(r["seconds_left"]),
-            "alive" if r["alive"] else "lapsed: its reservations are sent again at the next reaper pass",
-        )
-        for r in rows
-    ]
-    _print_table(("WORKER", "PID", "RESERVED", "LEFT", "STATE"), table)
-    click.echo(f"{len(table)} worker(s)")
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"
-
-
-def _row(state: Any, now: int) -> dict[str, Any]:
-    ended = state.status == "ABANDONED"
-    reserved = state.status == "RESERVED"
-    return {
-        "task_id": state.task_id,
-        "name": state.task_name,
-        "status": state.status,
-        "owner": f"{state.reserved_by} (received)" if reserved else state.owner_id,
-        "reserved_by": state.reserved_by or None,
-        "seconds_since_received": None if state.reserved_at is None else (now - state.reserved_at) / 1000,
-        "token": state.owner_token,
-        "stage": state.current_stage,
-        "seconds_since_progress": None if state.last_progress_at is None else (now - state.last_progress_at) / 1000,
-        "seconds_left": None if ended or state.lease_expire_at is None else (state.lease_expire_at - now) / 1000,
-        "attempt": state.attempt,
-        "takeovers": state.takeovers,
-    }
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
-    for row in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    click.echo(table(WORKER_HEADERS, [worker_cells(row) for row in rows]))
+    click.echo(f"{len(rows)} worker(s)")
 
 
 @fenced.command()
@@ -289,45 +230,6 @@ def redrive(ctx: click.Context, task_ids: tuple[str, ...], all_abandoned: bool) 
         ctx.exit(1)
 
 
-def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
-    """The lease hash with its values typed by its schema (:mod:`celery_fenced.lease_fields`)."""
-    return typed(raw)
-
-
-def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
-    """A lease for people: one field per line, times as ISO dates with their age, the call as a block."""
-    lines = [f"task {task_id}"]
-    names = sorted(name for name in fields if name != "call")
-    width = max([len(name) for name in names], default=0)
-    for name in names:
-        value = fields[name]
-        if is_time(name) and isinstance(value, int) and value > 0:
-            moment = datetime.fromtimestamp(value / 1000, tz=UTC)
-            age = (now_ms - value) / 1000
-            when = f"{abs(age):.1f}s ago" if age >= 0 else f"in {-age:.1f}s"
-            shown = f"{moment.isoformat(timespec='milliseconds').replace('+00:00', 'Z')} ({when})"
-        elif isinstance(value, Mapping):
-            shown = json.dumps(value, sort_keys=True, ensure_ascii=False)
-        else:
-            shown = str(value) if value != "" else "-"
-        lines.append(f"  {name.ljust(width)}  {shown}")
-    call = fields.get("call")
-    if isinstance(call, Mapping):
-        lines.append("  call:")
-        lines.append(f"    {call.get('task') or fields.get('taskName', '')}(")
-        for arg in call.get("args") or ():
-            lines.append(f"      {arg!r},")
-        for key, arg in (call.get("kwargs") or {}).items():
-            lines.append(f"      {key}={arg!r},")
-        lines.append("    )")
-        for key, option in sorted((call.get("options") or {}).items()):
-            if option not in (None, "", [], {}):
-                lines.append(f"    {key}: {json.dumps(option, sort_keys=True, default=str)}")
-    elif call:
-        lines.append(f"  call: {call}")
-    return "\n".join(lines)
-
-
 @fenced.command()
 @click.option("--port", default=9808, show_default=True, type=int, help="HTTP port of the exporter.")
 @click.option("--addr", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -399,12 +301,12 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
         return
     current = {stage: policy.stage_timeout(stage or None) for stage in stages}
     suggestions = suggest(gaps, false_takeovers, current, floor=floor, factor=factor, q=q, min_samples=min_samples)
-    table = [
+    rows = [
         (
             s.stage or "(none)",
             str(s.samples),
-            _seconds(s.gap_quantile),
-            _seconds(s.longest_gap),
+            seconds(s.gap_quantile),
+            seconds(s.longest_gap),
             str(s.false_takeovers),
             f"{s.current:g}s",
             "-" if s.suggested is None or not s.enough else f"{s.suggested:g}s",
@@ -422,7 +324,7 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
         "SUGGESTED",
         "NOTE",
     )
-    _print_table(headers, table)
+    click.echo(table(headers, rows))
     for s in suggestions:
         if s.samples and not s.enough:
             click.echo(

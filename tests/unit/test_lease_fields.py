@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from celery_fenced.cli import render_lease, typed_fields
 from celery_fenced.lease_fields import FIELDS, is_time, typed
+from celery_fenced.listing import render_lease, typed_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "celery_fenced" / "scripts"

@@ -207,3 +207,19 @@ def test_the_context_hook_request_is_made_only_when_asked_for() -> None:
     assert done.stdout.strip() == "celery_fenced.compat"
     with pytest.raises(AttributeError, match="no attribute 'Missing'"):
         compat.Missing  # noqa: B018
+
+
+def test_a_lost_process_is_told_as_celerys_on_failure_tells_it() -> None:
+    from billiard.einfo import ExceptionWithTraceback
+    from celery.exceptions import WorkerLostError
+    from celery.worker.request import Request
+
+    request = Request.__new__(Request)  # Celery's own defaults: neither cancelled nor revoked
+    lost = WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 0.")
+    assert compat.is_process_lost(request, lost)
+    assert compat.is_process_lost(request, ExceptionWithTraceback(lost, "tb"))
+    assert compat.is_process_lost(request, SystemExit(1))  # billiard >= 4.3 reports the exit itself
+    assert not compat.is_process_lost(request, ValueError("the body's own failure"))
+    request._already_revoked = True  # the request's own revoke stopped the process
+    assert not compat.is_process_lost(request, SystemExit(1))
+    assert compat.is_process_lost(request, lost)

@@ -1,0 +1,170 @@
+-- _lib.lua: the functions several scripts share; the loader puts in front of each script
+-- the ones it calls (a function defined and not called still costs each run a closure).
+--
+-- now_ms_text()                         the Redis server's clock, in milliseconds, as text
+-- now_ms()                              the same as a number
+-- now_us_text()                         the Redis server's clock, in microseconds, as text
+-- int_arg(n)                            an integral Lua number as a command argument: Redis
+--                                       writes a Lua number it is given with "%.17g", which
+--                                       costs it several times the rest of a short command
+-- write_result(key, meta, expires_ms)   Celery's own result write: SET (with PX when
+--                                       expires_ms > 0) and PUBLISH, which wakes
+--                                       AsyncResult.get()
+-- owner_refusal(key, owner_id, token)   why an owner's call on the lease at key is refused
+--                                       ("missing", "stale-token", "not-owner"), or nil,
+--                                       and the lease's status
+-- publish_progress(key, stored_version, now, stage, version, age_ms, details)
+--                                       write an owner's progress: progressVersion,
+--                                       lastProgressAt (server time minus the age the owner
+--                                       reports) and currentStage ("" = unchanged) when its
+--                                       version is newer than the stored one (read when
+--                                       stored_version is nil), so a late call never moves
+--                                       them back; details ("" = unchanged) whenever given
+--                                       (the caller has checked the owner)
+-- next_tokens(counter_key, n)           the last of n new tokens (INCRBY); a counter gone
+--                                       while its epoch stayed (evicted, deleted) starts
+--                                       again from the server's clock, as begin_epoch.lua
+--                                       starts one, never from 1
+-- this_primary()                        this server's replication id (master_replid) and
+--                                       how many replicas it has connected; a promoted
+--                                       replica, and a restarted server, take a new id
+-- in_token_epoch(epoch_key)             true when the token epoch was begun and confirmed
+--                                       on this server (begin_epoch.lua): only then may a
+--                                       script hand out a token
+-- fence_of(meta)                        a finished lease's compact form: the token, the run
+--                                       ("<publish id>/<attempt>/<takeovers>") and the state
+--                                       of a READY result whose meta ends with its fence
+--                                       ('..., "fence_run": "<run>", "fence_token": <token>}');
+--                                       nil for any other value
+-- finished_fence(result_key)            fence_of() of the stored result, nil without one
+-- end_as_tombstone(key, fields)         end a lease as a DONE tombstone: only the fields a
+--                                       finished lease is read for (who ended it, with which
+--                                       token, which run, the hand-off it came from), plus the
+--                                       given ones (a "status" given wins: the HANDED_OFF
+--                                       record is such a tombstone); the recorded call,
+--                                       progress and details go
+
+local function now_ms_text()
+  local t = redis.call('TIME')
+  -- The seconds, then the milliseconds: the first three of the microseconds' six digits.
+  -- Built as text: turning both parts into numbers costs more than the rest of TIME.
+  return t[1] .. string.sub('00000' .. t[2], -6, -4)
+end
+
+local function now_ms()
+  return tonumber(now_ms_text())
+end
+
+local function now_us_text()
+  local t = redis.call('TIME')
+  return t[1] .. string.sub('00000' .. t[2], -6)
+end
+
+local function this_primary()
+  local info = redis.call('INFO', 'replication')
+  return string.match(info, 'master_replid:(%x+)'), tonumber(string.match(info, 'connected_slaves:(%d+)') or '0')
+end
+
+local function in_token_epoch(epoch_key)
+  local epoch = redis.call('GET', epoch_key)
+  -- A plain find: the replication id and the line's end, without a pattern's cost.
+  return epoch and string.find(redis.call('INFO', 'replication'), 'master_replid:' .. epoch .. '\r\n', 1, true) ~= nil
+end
+
+local function int_arg(n)
+  return string.format('%d', n)
+end
+
+local function next_tokens(counter_key, n)
+  local last = redis.call('INCRBY', counter_key, n)
+  if last == n then
+    -- INCRBY made the counter: it was gone. Every token handed out before was at most the
+    -- clock of its time (begin_epoch.lua), so the clock now is past them.
+    last = tonumber(now_us_text()) + n
+    redis.call('SET', counter_key, int_arg(last))
+  end
+  return last
+end
+
+local function write_result(key, meta, expires_ms)
+  if expires_ms > 0 then
+    redis.call('SET', key, meta, 'PX', int_arg(expires_ms))
+  else
+    redis.call('SET', key, meta)
+  end
+  redis.call('PUBLISH', key, meta)
+end
+
+local function owner_refusal(key, owner_id, token)
+  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId')
+  if not cur[1] then
+    return 'missing', nil
+  elseif cur[2] ~= token then
+    return 'stale-token', cur[1]
+  elseif cur[3] ~= owner_id then
+    return 'not-owner', cur[1]
+  end
+  return nil, cur[1]
+end
+
+local function publish_progress(key, stored_version, now, stage, version, age, details)
+  local fields = {}
+  if version > 0 then
+    if stored_version == nil then
+      stored_version = redis.call('HGET', key, 'progressVersion')
+    end
+    if version > tonumber(stored_version or '0') then
+      fields = {'progressVersion', int_arg(version), 'lastProgressAt', int_arg(now - age)}
+      if stage ~= '' then
+        fields[#fields + 1] = 'currentStage'
+        fields[#fields + 1] = stage
+      end
+    end
+  end
+  if details ~= '' then
+    fields[#fields + 1] = 'details'
+    fields[#fields + 1] = details
+  end
+  if #fields > 0 then
+    redis.call('HSET', key, unpack(fields))
+  end
+end
+
+local function fence_of(meta)
+  -- Only the tail is searched: the user's result, before it, is never read.
+  local run, token = string.match(meta, '"fence_run": "([^"]*)", "fence_token": (%d+)}$', -120)
+  if not token then
+    return nil
+  end
+  local state = string.match(meta, '^{"status": "(%u+)"')
+  if state ~= 'SUCCESS' and state ~= 'FAILURE' and state ~= 'REVOKED' then
+    return nil
+  end
+  return token, run, state
+end
+
+local function finished_fence(result_key)
+  local meta = redis.call('GET', result_key)
+  if not meta then
+    return nil
+  end
+  return fence_of(meta)
+end
+
+local function end_as_tombstone(key, fields)
+  local names = {'ownerId', 'ownerToken', 'attempt', 'takeovers', 'publishId', 'taskName', 'cancelledAt',
+    'successKept', 'handoffToken', 'handedOffAt'}
+  local values = redis.call('HMGET', key, unpack(names))
+  redis.call('DEL', key)
+  local kept = {'status', 'DONE'}
+  for i, name in ipairs(names) do
+    if values[i] then
+      kept[#kept + 1] = name
+      kept[#kept + 1] = values[i]
+    end
+  end
+  for _, item in ipairs(fields) do  -- after the kept ones: a field given here wins
+    kept[#kept + 1] = item
+  end
+  redis.call('HSET', key, unpack(kept))
+end

@@ -1,0 +1,86 @@
+-- restore.lua: a live owner puts back its lease after the hash vanished from Redis.
+--
+-- An evicted key, a FLUSH, or a failover that lost writes can delete a lease while its owner
+-- runs. The owner then writes it again, with the call it recorded, so the task is neither
+-- lost (the reaper can still re-send it) nor stopped: it finishes under its own token.
+--
+-- Only an owner whose lease cannot have expired gets it back as RUNNING: its last accepted
+-- renewal (ARGV[10], measured by the owner's monotonic clock from when it sent that
+-- renewal, which is before the server extended the lease) is less than a TTL ago. Past
+-- that, another owner may have been given the task, and its lease may have vanished too:
+-- "expired", nothing written. An owner that gave its lease up on its own clock writes it
+-- back LAPSED instead (ARGV[11] "lapsed"), due now, so the reaper re-sends the task: no
+-- owner holds it then, whatever the time.
+--
+-- KEYS[1]  lease hash
+-- KEYS[2]  token counter
+-- KEYS[3]  expiry index
+-- KEYS[4]  Celery's result key
+-- ARGV[1]  ownerId
+-- ARGV[2]  ownerToken
+-- ARGV[3]  lease ttl, ms
+-- ARGV[4]  taskName
+-- ARGV[5]  the original call (JSON), may be ""
+-- ARGV[6]  attempt
+-- ARGV[7]  takeovers
+-- ARGV[8]  maxTakeovers
+-- ARGV[9]  current stage, may be ""
+-- ARGV[10] ms since the owner sent its last accepted renewal (or acquired), by its own clock
+-- ARGV[11] "lapsed": write it back given up (LAPSED, due now); "" or absent: RUNNING
+--
+-- Returns {code}:
+--   "restored"  the lease is back, RUNNING for this owner, due at now + ttl (or LAPSED,
+--               due now)
+--   "expired"   the owner's lease could have expired (ARGV[10] >= ttl): nothing written
+--   "exists"    a lease exists (another delivery acquired it meanwhile): nothing written
+--   "finished"  the task finished under this token: its lease lives on in the result
+--               (fence_of()), nothing written
+--   "stale-token"  the task finished under another token: nothing written
+--
+-- An owner whose own lease is there, RUNNING with its token (it asks again: its reply was
+-- lost to a connection error, and the client sent it again), is answered "restored", nothing
+-- written, not "exists" (which would make it give up a lease it holds).
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local cur = redis.call('HMGET', KEYS[1], 'ownerId', 'ownerToken', 'status')
+  if cur[1] == ARGV[1] and cur[2] == ARGV[2] and cur[3] == 'RUNNING' then
+    return {'restored'}
+  end
+  return {'exists'}
+end
+local fence = finished_fence(KEYS[4])
+if fence then
+  if fence == ARGV[2] then
+    return {'finished'}
+  end
+  return {'stale-token'}
+end
+local lapsed = ARGV[11] == 'lapsed'
+if not lapsed and tonumber(ARGV[10]) >= tonumber(ARGV[3]) then
+  return {'expired'}
+end
+local now = now_ms()
+local token = tonumber(ARGV[2])
+local counter = redis.call('GET', KEYS[2])
+if not counter then
+  -- The counter went with the lease (or alone: evicted, deleted): it starts again from the
+  -- clock, as a token taken from a missing counter starts it, never from this token:
+  -- tokens handed out since this one (a cancel's, a claim's) are above it, and below the
+  -- clock.
+  redis.call('SET', KEYS[2], int_arg(math.max(token, tonumber(now_us_text()))))
+elseif tonumber(counter) < token then
+  redis.call('SET', KEYS[2], int_arg(token))  -- never hand this token out again
+end
+local expire_at = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token,
+  'leaseTtl', ARGV[3], 'taskName', ARGV[4], 'attempt', ARGV[6], 'takeovers', ARGV[7],
+  'maxTakeovers', ARGV[8], 'currentStage', ARGV[9], 'progressVersion', 0, 'heartbeatAt', now,
+  'lastProgressAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now)
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'call', ARGV[5])
+end
+if lapsed then
+  expire_at = now
+  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now, 'lapseReason', 'gone')
+end
+redis.call('ZADD', KEYS[3], expire_at, KEYS[1])
+return {'restored'}

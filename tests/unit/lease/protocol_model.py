@@ -1,0 +1,650 @@
+"""The reference model of the lease protocol (DESIGN.md §3–§4), for test_protocol_model.py.
+
+The model keeps, per task id, what the contract says Redis must know (:class:`TaskModel`),
+and per owner what that execution knows of its own lease (:class:`Owner`). Each step of the
+state machine hands the model the real script's answer; the model says whether the contract
+lets the step answer that, and follows what happened.
+
+Every broken rule is a :class:`Violation` named by the invariant it breaks (its own exception
+class, so hypothesis tells the rules apart and shrinks each on its own):
+
+``token-not-increasing``
+    every token handed out (acquire, the reaper's claim, a cancel) is above every earlier one,
+    also after FLUSHDB, a lost counter and a failover (§3).
+``two-writers``
+    a delivery runs while another owner holds a live lease of the task id (one writer at a time).
+``stale-write-landed``, ``stale-release-landed``, ``stale-handoff``
+    a write, an end or a hand-off by a token older than the newest handed out for the task lands.
+``done-ran-again``, ``forgotten-done-ran-again``, ``abandoned-ran``
+    a finished task is acquired again while its fence exists; ``forget()`` removes the result,
+    not the fact that the task is done (§4.5).
+``stale-hand-back``
+    a hand-back (the replacement could not be sent) lands on a record that is not the owner's
+    own hand-off, untouched since.
+``copy-after-handoff-ran``
+    a copy of the message a hand-off replaced runs (§4.5: the hand-off's record refuses it).
+``write-after-final``, ``write-after-forget``, ``write-after-handoff``, ``final-undone``
+    DONE, cancelled and ABANDONED are final (but for redrive of ABANDONED), and a finished
+    hand-off refuses the handing token.
+``missing-handoff-succeeded``
+    a missing lease is never a successful hand-off (§4.5).
+``restore-of-expired-lease``, ``stale-restore``, ``restore-over-state``, ``restore-after-forget``
+    an owner puts back a vanished lease only while it still held it live, with the newest token.
+``live-lease-not-newest``
+    Redis holds a live lease of a token older than the newest the task has.
+``model-mismatch``
+    an answer the model does not allow that breaks none of the above (a lost task, a refused
+    current owner): read the message, then fix the scripts or the model.
+
+When a fix changes what a step may answer (a hand-off record, a forget that keeps the fence),
+the rule to change is the one method of :class:`ProtocolModel` named after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from celery_fenced._lease.state import ProgressReport, RenewRequest, as_text
+
+__all__ = ["MAX_TAKEOVERS", "TASK_IDS", "Owner", "ProtocolModel", "TaskModel", "Violation", "Violations"]
+
+#: The task ids the machine plays with: one task and another, whose tokens interleave.
+TASK_IDS = ("t1", "t2")
+
+#: ``max_takeovers`` of every delivery: small, so that abandons happen.
+MAX_TAKEOVERS = 2
+
+# The lease statuses the model tells apart (HANDED_OFF: a hand-off finished, its record kept).
+NONE = "NONE"
+RUNNING = "RUNNING"
+LAPSED = "LAPSED"
+REQUEUED = "REQUEUED"
+RETRYING = "RETRYING"
+DONE = "DONE"
+ABANDONED = "ABANDONED"
+HANDED_OFF = "HANDED_OFF"
+
+#: Statuses with a lease that an owner's token still fences (a late write of its owner lands).
+HELD = (RUNNING, LAPSED, REQUEUED, RETRYING)
+
+#: Final statuses (ABANDONED until a redrive).
+FINAL = (DONE, ABANDONED)
+
+
+class Violation(AssertionError):
+    """A rule of the contract broken by the real scripts (or a gap in the model)."""
+
+    name = "violation"
+
+
+_CLASSES: dict[str, type[Violation]] = {}
+
+
+def violation_class(name: str) -> type[Violation]:
+    """One exception class per rule, so that hypothesis reports each rule's shortest case."""
+    if name not in _CLASSES:
+        title = "".join(part.capitalize() for part in name.split("-"))
+        _CLASSES[name] = type(title, (Violation,), {"name": name})
+    return _CLASSES[name]
+
+
+class Violations:
+    """Raises each broken rule, except those tolerated (``FENCED_MODEL_TOLERATE``: a run that
+    goes on past known holes to find the next one); tolerated ones are kept in :attr:`seen`."""
+
+    def __init__(self, tolerated: str = "") -> None:
+        self.tolerated = {name.strip() for name in tolerated.split(",") if name.strip()}
+        self.seen: list[str] = []
+
+    def __call__(self, name: str, message: str) -> None:
+        if name in self.tolerated or "token-not-increasing" in self.seen:
+            # Once a token was handed out twice, owners share a token and every later
+            # answer may follow from it: a run tolerating it checks nothing more.
+            self.seen.append(name)
+            return
+        raise violation_class(name)(f"[{name}] {message}")
+
+
+@dataclass(eq=False)
+class Owner:
+    """One execution that acquired a task's lease, and what it knows of it."""
+
+    task_id: str
+    owner_id: str
+    process: str  # "<hostname>/<pid>/": the owner-id prefix of its process
+    message: str  # the model's name of its message: the original, or the n-th replacement
+    publish_id: str  # the publish id its message carries (a replacement keeps the replaced one's)
+    handed_off_by: str = ""  # its message's fenced_handed_off_by header ("" for none)
+    token: int = 0
+    attempt: int = 0
+    takeovers: int = 0
+    believes_live: bool = True  # its heartbeat has not been told the lease is lost
+    expired: bool = False  # its lease ran out (the owner's clock knows that too)
+
+    def __repr__(self) -> str:
+        return f"Owner({self.owner_id} {self.task_id} token={self.token} message={self.message})"
+
+    def renew_request(self, ttl_ms: int) -> RenewRequest:
+        return RenewRequest(self.task_id, self.owner_id, self.token, ttl_ms, ProgressReport())
+
+    def meta(self, state: str) -> str:
+        """The meta the fenced backend writes: a READY one carries the finished lease's fence."""
+        head = f'{{"status": "{state}", "result": null, "task_id": "{self.task_id}"'
+        if state == "SUCCESS":
+            run = f"{self.publish_id}/{self.attempt}/{self.takeovers}"
+            return f'{head}, "fence_run": "{run}", "fence_token": {self.token}}}'
+        return f'{head}, "fence_token": {self.token}}}'
+
+
+@dataclass
+class TaskModel:
+    """What the contract says Redis knows of one task id."""
+
+    publishes: list[str]  # the messages sent for it: the original, then each replacement
+    status: str = NONE
+    fence: int = 0  # the newest token handed out for it that Redis must remember (0: none)
+    holder: Owner | None = None  # the owner whose token is the fence
+    expired: bool = False  # RUNNING past its expiry (the reaper may claim it)
+    due: bool = False  # REQUEUED or RETRYING past its due time
+    takeovers: int = 0
+    result: bool = False  # a result key exists
+    forgotten: bool = False  # finished, and its result deleted by forget()
+    ended_by: Owner | None = None  # the owner whose SUCCESS finished it (it may ask again)
+    handed_off: set[str] = field(default_factory=set)  # publishes a hand-off replaced
+    headers: dict[str, str] = field(default_factory=dict)  # a replacement's publish: the token it names
+    handoff_token: int = 0  # the handoffToken the lease keeps: its record's, or its replacement run's
+    done_publish: str = ""  # DONE: the newest message whose copies do not run ("": every one)
+    unrecorded: set[str] = field(default_factory=set)  # publishes sent before FLUSHDB
+    #: HANDED_OFF: what the hand-off changed, for a hand-back (the replaced messages, the
+    #: lease's hand-off token before it)
+    before_handoff: tuple[set[str], int] = (set(), 0)
+    #: HANDED_OFF: the process that handed off was lost (a WorkerLostError of it): the
+    #: replacement may never have been sent, and once due the reaper undoes the hand-off
+    lost_handoff: bool = False
+    #: HANDED_OFF: the owner that handed off (its id and token stay in the record: once the
+    #: reaper undoes a lost hand-off, the lease is that owner's again, as a claimed one is)
+    handed_off_owner: Owner | None = None
+
+    def publish_of(self, message: str) -> str:
+        """The publish id a message carries: a replacement keeps the replaced run's
+        (``mark_replacement``), so every message of the model's task ids shares one."""
+        return self.publishes[0]
+
+    def runs_again(self, message: str) -> bool:
+        """A DONE task's delivery of another publish than the one it finished: one sent after
+        it (a replacement of a run that ended after FLUSHDB lost the hand-off's record), or
+        one whose hand-off FLUSHDB forgot (to Redis, the task id applied again)."""
+        if not self.done_publish or self.publish_of(message) == self.publish_of(self.done_publish):
+            return False
+        later = self.publishes.index(message) > self.publishes.index(self.done_publish)
+        return later or message in self.unrecorded
+
+    def fresh(self) -> TaskModel:
+        """The task after FLUSHDB: Redis knows nothing of it; its messages still exist."""
+        return TaskModel(publishes=list(self.publishes), headers=dict(self.headers), unrecorded=set(self.publishes))
+
+
+class ProtocolModel:
+    """The model of every task id, the tokens handed out and the owners."""
+
+    def __init__(self, violated: Violations) -> None:
+        self.violated = violated
+        self.tasks = {task_id: TaskModel(publishes=[f"{task_id}-p0"]) for task_id in TASK_IDS}
+        self.owners: list[Owner] = []
+        self.max_token = 0  # the highest token handed out so far
+
+    # -- deliveries ---------------------------------------------------------------------
+
+    def publish_to_deliver(self, task_id: str, replacement: bool) -> str:
+        """A copy of the original message, or of the newest replacement."""
+        publishes = self.tasks[task_id].publishes
+        return publishes[-1] if replacement else publishes[0]
+
+    def handed_off_by(self, task_id: str, message: str) -> str:
+        """The header a message carries: the token of the hand-off that sent it ("": none)."""
+        return self.tasks[task_id].headers.get(message, "")
+
+    def new_owner(self, task_id: str, message: str) -> Owner:
+        n = len(self.owners) + 1
+        process = f"w{n}/{1000 + n}/"
+        task = self.tasks[task_id]
+        header = self.handed_off_by(task_id, message)
+        owner = Owner(task_id, f"{process}a{n}", process, message, task.publish_of(message), header)
+        self.owners.append(owner)
+        return owner
+
+    def hand_out(self, token: int, by: str) -> None:
+        if token <= self.max_token:
+            self.violated("token-not-increasing", f"{by} handed out token {token}, not above {self.max_token}")
+        self.max_token = max(self.max_token, token)
+
+    def acquired(self, owner: Owner, code: str, token: int, attempt: int, takeovers: int) -> None:
+        task = self.tasks[owner.task_id]
+        runs = code in ("new", "takeover")
+        if task.status == RUNNING and not task.expired:
+            expected = "duplicate"
+        elif task.status in HELD or task.status == NONE:
+            expected = "runs"
+        elif task.status == DONE:
+            expected = "runs" if task.runs_again(owner.message) else "done"
+        elif task.status == ABANDONED:
+            expected = "abandoned"
+        else:  # HANDED_OFF: only the replacement's message (it names the record's token) runs
+            expected = "runs" if owner.handed_off_by == str(task.handoff_token) else "handed-off"
+        if task.handoff_token and task.status not in FINAL and owner.handed_off_by != str(task.handoff_token):
+            # The lease keeps the hand-off's token (its record, or the replacement's run): a
+            # message that does not name it is a copy from before the hand-off.
+            expected = "handed-off"
+        where = f"{owner!r} acquired {code} token {token} while the task was {task.status}"
+        if runs:
+            self.hand_out(token, f"acquire of {owner!r}")
+            if expected == "duplicate":
+                self.violated("two-writers", f"{where}, held live by {task.holder!r}")
+            elif expected == "done":
+                if owner.message in task.handed_off:
+                    rule = "copy-after-handoff-ran"
+                else:
+                    rule = "forgotten-done-ran-again" if task.forgotten else "done-ran-again"
+                self.violated(rule, where)
+            elif expected == "abandoned":
+                self.violated("abandoned-ran", where)
+            elif expected == "handed-off":
+                self.violated("copy-after-handoff-ran", f"{where}: a copy of a message a hand-off replaced")
+            owner.token, owner.attempt, owner.takeovers = token, attempt, takeovers
+            task.status, task.fence, task.holder = RUNNING, token, owner
+            task.expired = task.due = task.forgotten = False
+            task.takeovers, task.ended_by, task.done_publish = takeovers, None, ""
+            if task.status == NONE:  # a lease written anew: no hand-off's token on it
+                task.handoff_token = 0
+        else:
+            if expected == "runs":
+                self.violated("model-mismatch", f"{where}: the delivery should have run")
+            elif code != expected:
+                self.violated("model-mismatch", f"{where}: expected {expected}")
+
+    # -- the owner's lease --------------------------------------------------------------
+
+    def current(self, owner: Owner) -> bool:
+        """The owner's token is the task's newest and fences the lease Redis holds."""
+        task = self.tasks[owner.task_id]
+        return task.holder is owner and task.fence == owner.token and task.status in HELD
+
+    def renewed(self, owner: Owner, code: str) -> None:
+        task = self.tasks[owner.task_id]
+        may = self.current(owner) and task.status == RUNNING
+        if code == "ok":
+            if not may:
+                self.violated("two-writers", f"{owner!r} renewed a lease it does not hold ({task.status})")
+            task.status, task.expired = RUNNING, False
+            owner.expired, owner.believes_live = False, True
+        else:
+            if may:
+                self.violated("model-mismatch", f"{owner!r}, the live owner, was refused a renewal: {code}")
+            if code != "missing":  # a missing lease: the heartbeat puts it back (restore)
+                owner.believes_live = False
+
+    def stalled(self, owner: Owner, code: str, release: bool) -> None:
+        task = self.tasks[owner.task_id]
+        may = self.current(owner) and task.status == RUNNING
+        if (code == "ok") != may:
+            self.violated("model-mismatch", f"{owner!r} lapse answered {code} on {task.status}")
+        if code == "ok" and release:
+            task.status = LAPSED
+            owner.believes_live = False
+        elif code not in ("ok", "missing"):
+            owner.believes_live = False
+
+    def process_lost(self, owner: Owner, code: str) -> None:
+        """The worker's main process gives up the lease of a process it lost, whose message
+        Celery puts back (``task_acks_late``, ``task_reject_on_worker_lost``): only a live
+        lease that process owns."""
+        task = self.tasks[owner.task_id]
+        if task.status == RUNNING and task.holder is owner:
+            expected = {"lapsed"}
+        elif task.status == NONE:
+            expected = {"missing", "not-live"}  # no lease (a finished one lives in its result)
+        else:
+            expected = {"not-live", "missing"} if task.status in FINAL else {"not-live"}
+        if code not in expected:
+            self.violated("model-mismatch", f"{owner!r}'s process lost: lapse answered {code} on {task.status}")
+        if code == "lapsed":
+            task.status = LAPSED
+            owner.believes_live = False
+
+    def time_passed(self, task_id: str) -> None:
+        task = self.tasks[task_id]
+        if task.status == RUNNING:
+            task.expired = True
+        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
+            task.due = True
+        for owner in self.owners:
+            if owner.task_id == task_id and owner.believes_live:
+                owner.expired = True
+
+    def restored(self, owner: Owner, code: str, lapsed: bool = False) -> None:
+        """An owner puts back its vanished lease: RUNNING only while it cannot have expired;
+        ``lapsed`` (its own clock gave it up), LAPSED for the reaper, whatever its age."""
+        task = self.tasks[owner.task_id]
+        where = f"{owner!r} restored its lease (task {task.status}, newest token {task.fence})"
+        if code == "restored" and task.holder is owner and task.status == RUNNING:
+            return  # its own lease is there (it asks again: a lost reply): nothing written
+        if code == "restored":
+            if owner.token < task.fence:
+                self.violated("stale-restore", where)
+            elif task.status in FINAL and task.forgotten:
+                self.violated("restore-after-forget", where)
+            elif task.status != NONE:
+                self.violated("restore-over-state", where)
+            elif owner.expired and not lapsed:
+                self.violated("restore-of-expired-lease", f"{where} after it had expired")
+            task.status, task.fence, task.holder, task.handoff_token = RUNNING, owner.token, owner, 0
+            task.expired = task.due = owner.expired = False
+            if lapsed:
+                task.status, owner.believes_live = LAPSED, False
+        elif code == "expired" and (lapsed or not owner.expired):
+            self.violated("model-mismatch", f"{where}: expired, for an owner that renewed less than a TTL ago")
+        elif task.status == NONE and (lapsed or not owner.expired) and owner.token >= task.fence and not task.result:
+            self.violated("model-mismatch", f"{owner!r} restore answered {code} for a vanished lease")
+
+    # -- writes and ends ----------------------------------------------------------------
+
+    def wrote(self, owner: Owner, state: str, code: str) -> None:
+        task = self.tasks[owner.task_id]
+        stored = code == "stored"
+        where = f"{owner!r} {state} write answered {code} (task {task.status}, newest token {task.fence})"
+        asks_again = task.status == DONE and task.ended_by is owner and state == "SUCCESS"
+        if stored:
+            task.result = True
+            if owner.token < task.fence:
+                return self.violated("stale-write-landed", where)
+            elif task.status in FINAL and task.forgotten and not asks_again:
+                return self.violated("write-after-forget", where)
+            elif task.status in FINAL and not asks_again:
+                return self.violated("write-after-final", where)
+            elif task.status == HANDED_OFF:
+                return self.violated("write-after-handoff", where)
+        elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
+            self.violated("model-mismatch", f"{where}: the current owner's write was refused")
+        if code == "sticky" and state == "SUCCESS" and self.current(owner):
+            # A SUCCESS already stored is kept (Celery's rule); the run's lease still ends.
+            task.status, task.holder, task.ended_by, task.done_publish = DONE, None, None, owner.message
+            owner.believes_live = False
+        # A write the contract refuses leaves the model as it was (a run tolerating the
+        # violation goes on from what should have been).
+        if not stored or asks_again:
+            return
+        task.result = True
+        if state == "SUCCESS":
+            task.status, task.fence, task.holder, task.ended_by = DONE, max(task.fence, owner.token), None, owner
+            task.done_publish = owner.message
+            task.forgotten = False
+            owner.believes_live = False
+        elif state == "RETRY":
+            owner.believes_live = False
+            if task.status in HELD:
+                task.status, task.due = RETRYING, False
+
+    def wrote_tokenless(self, owner: Owner, worker_lost: bool, code: str) -> None:
+        task = self.tasks[owner.task_id]
+        what = "a WorkerLostError" if worker_lost else "a REVOKED"
+        where = f"{what} of {owner!r}'s process answered {code} (task {task.status})"
+        if task.status in FINAL:
+            if code == "stored":
+                self.violated("write-after-forget" if task.forgotten else "write-after-final", where)
+            return
+        if task.status == HANDED_OFF:
+            # Only the replacement's own message may write without a token (a replacement
+            # that is not a fenced task); the run that handed off is refused. The process
+            # that handed off, lost (a WorkerLostError), makes the record due: its replacement
+            # may never have been sent.
+            if worker_lost and owner.token == task.handoff_token and task.holder is None:
+                if code != "lapsed":
+                    self.violated("model-mismatch", f"{where}: expected lapsed (the handing process lost)")
+                else:
+                    task.lost_handoff, task.due = True, False
+                return
+            if owner.handed_off_by != str(task.handoff_token):
+                if code == "stored":
+                    self.violated("write-after-handoff", where)
+                elif code != "foreign":
+                    self.violated("model-mismatch", f"{where}: expected foreign")
+                return
+            if code not in ("stored", "sticky"):
+                self.violated("model-mismatch", f"{where}: expected stored (the replacement's)")
+            if code == "stored":
+                task.status, task.holder, task.result, task.ended_by, task.done_publish = (
+                    DONE,
+                    None,
+                    True,
+                    None,
+                    owner.message,
+                )
+            return
+        if task.status not in HELD:  # no lease: a write as Celery's own (the contract is silent)
+            task.result = task.result or code == "stored"
+            return
+        by_owner = task.holder is owner
+        live = task.status == RUNNING
+        if worker_lost:
+            expected = "lapsed" if live and by_owner else "foreign"
+        else:
+            expected = "foreign" if live and not by_owner else "stored"
+        if code == "sticky" and expected == "stored":
+            code = "stored"  # the fence let it through; Celery's rule kept a stored SUCCESS
+        if code != expected:
+            self.violated("model-mismatch", f"{where}: expected {expected}")
+        if code == "lapsed":
+            task.status = LAPSED
+            owner.believes_live = False
+        elif code == "stored":  # the run holding the lease ends: copies of its publish do not run
+            task.done_publish = task.holder.message if task.holder is not None else ""
+            task.status, task.holder, task.result, task.ended_by = DONE, None, True, None
+
+    def wrote_put_back(self, owner: Owner, code: str) -> None:
+        """A hard time limit's FAILURE from the owner's process, after which Celery puts the
+        message back (``task_acks_late``, ``acks_on_timeout`` off): the lease of that process,
+        live or given up, is left REQUEUED for the message; otherwise as any tokenless write."""
+        task = self.tasks[owner.task_id]
+        if task.status not in (RUNNING, LAPSED) or task.holder is not owner:
+            if task.status in HELD and task.holder is not owner:
+                if code != "foreign":
+                    self.violated(
+                        "model-mismatch",
+                        f"a put-back FAILURE of {owner!r}'s process answered {code} (task {task.status}): "
+                        "expected foreign (another process's lease)",
+                    )
+                return
+            self.wrote_tokenless(owner, False, code)
+            return
+        if code != "stored":
+            self.violated(
+                "model-mismatch",
+                f"a put-back FAILURE of {owner!r}'s process answered {code} (task {task.status}): expected stored",
+            )
+            return
+        task.status, task.expired, task.due, task.result = REQUEUED, False, False, True
+        owner.believes_live = False
+
+    def released(self, owner: Owner, status: str, code: str) -> None:
+        task = self.tasks[owner.task_id]
+        where = f"{owner!r} release {status} answered {code} (task {task.status}, newest token {task.fence})"
+        if code == "ok":
+            if owner.token < task.fence:
+                return self.violated("stale-release-landed", where)
+            elif not self.current(owner):
+                return self.violated("write-after-final", where)
+            task.status, task.due, task.ended_by = status, False, None
+            if status == DONE:
+                task.holder, task.done_publish = None, owner.message
+            owner.believes_live = False
+        elif self.current(owner):
+            self.violated("model-mismatch", f"{where}: the current owner's end was refused")
+
+    def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool) -> None:
+        """``Task.replace()``: fenced like a write; a finished hand-off sends the replacement
+        (its message names the owner's token) and leaves a HANDED_OFF record that refuses
+        older tokens and every message but the replacement's."""
+        task = self.tasks[owner.task_id]
+        where = f"{owner!r} hand-off answered {code} (task {task.status}, newest token {task.fence})"
+        if succeeded:
+            # A hand-off the contract refuses sends no replacement: the model stays as it was.
+            if not had_lease:
+                return self.violated("missing-handoff-succeeded", where)
+            elif owner.token < task.fence:
+                return self.violated("stale-handoff", where)
+            elif task.status == HANDED_OFF and task.handoff_token == owner.token:
+                return  # the owner that handed off asking again: the same answer, one replacement
+            elif not self.current(owner):
+                return self.violated("write-after-final", where)
+            task.before_handoff = (set(task.handed_off), task.handoff_token)
+            task.handed_off.update(task.publishes)
+            replacement = f"{owner.task_id}-p{len(task.publishes)}"
+            task.publishes.append(replacement)
+            task.headers[replacement] = str(owner.token)
+            task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
+            task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
+            owner.believes_live = False
+        elif self.current(owner):
+            self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
+
+    def handed_back(self, owner: Owner, code: str) -> None:
+        """The replacement could not be sent: the owner takes its hand-off back, as long as
+        the record is its own hand-off's and nothing started the task id since. The lease is
+        the owner's again, with the hand-off token it had; the replacement was never sent."""
+        task = self.tasks[owner.task_id]
+        where = f"{owner!r} hand-back answered {code} (task {task.status}, newest token {task.fence})"
+        its_own = task.status == HANDED_OFF and task.handoff_token == owner.token == task.fence
+        if code == "ok":
+            if not its_own:
+                return self.violated("stale-hand-back", where)
+            replacement = task.publishes.pop()
+            task.headers.pop(replacement, None)
+            task.handed_off, task.handoff_token = task.before_handoff
+            task.status, task.holder, task.expired = RUNNING, owner, False
+            owner.believes_live, owner.expired = True, False
+        elif its_own:
+            self.violated("model-mismatch", f"{where}: the owner's own hand-off was not taken back")
+
+    # -- the reaper and the operator ----------------------------------------------------
+
+    def claimed(self, task_id: str, code: str, cause: str, reserved: int) -> None:
+        self.hand_out(reserved, f"the claim of {task_id}")
+        task = self.tasks[task_id]
+        lost = task.status == HANDED_OFF and task.lost_handoff
+        counted = (task.status == RUNNING and task.expired) or task.status == LAPSED or (lost and task.due)
+        if task.status == NONE:
+            allowed = {"missing"}
+        elif lost and task.due:  # the replacement never started: the hand-off undone, a takeover
+            allowed = {"abandoned"} if task.takeovers + 1 > MAX_TAKEOVERS else {"requeued"}
+        elif lost:
+            allowed = {"not-due"}
+        elif task.status == HANDED_OFF:
+            allowed = {"missing", "finished"}  # no lease, or the hand-off's record
+        elif task.status == DONE:
+            allowed = {"missing", "finished"}  # its fence in the result, or a tombstone
+        elif task.status == ABANDONED:
+            allowed = {"finished"}
+        elif counted:
+            allowed = {"abandoned"} if task.takeovers + 1 > MAX_TAKEOVERS else {"requeued"}
+        elif task.status in (REQUEUED, RETRYING) and task.due:
+            allowed = {"requeued", "waiting"}
+        else:
+            allowed = {"not-due"}
+        if reserved <= task.fence:
+            allowed.add("retry-later")  # the token's own violation is reported already
+        if code not in allowed:
+            self.violated("model-mismatch", f"claim of {task_id} answered {code} ({cause}), expected {allowed}")
+        if lost and code in ("requeued", "abandoned"):
+            # Undone as a hand-back undoes it; the replacement, if it was sent after all, is a
+            # message like any other (a takeover of the claimed task, or a copy of its run).
+            task.handed_off, task.handoff_token = task.before_handoff
+            task.lost_handoff, task.holder = False, task.handed_off_owner
+        if code == "requeued":
+            task.status, task.expired, task.due = REQUEUED, False, False
+            if counted:
+                task.takeovers += 1
+        elif code == "abandoned":
+            task.status, task.fence, task.holder, task.result, task.forgotten = ABANDONED, reserved, None, True, False
+        elif code == "waiting":
+            task.due = False
+
+    def cancelled(self, task_id: str, code: str, token: int, unknown_too: bool) -> None:
+        self.hand_out(token, f"the cancel of {task_id}")
+        task = self.tasks[task_id]
+        if task.status in FINAL:
+            allowed = {"finished"}  # forget() keeps its tombstone (§4.5)
+        elif task.status in HELD:
+            allowed = {"cancelled"}
+        elif task.result:
+            allowed = {"finished", "cancelled"}
+        elif task.status == HANDED_OFF:
+            allowed = {"cancelled", "unknown"}  # the replacement cancelled, or not yet known
+        else:
+            allowed = {"cancelled"} if unknown_too else {"unknown"}
+        if token <= task.fence:
+            allowed.add("retry-later")  # the token's own violation is reported already
+        if code not in allowed:
+            self.violated("model-mismatch", f"cancel of {task_id} answered {code} ({task.status}), expected {allowed}")
+        if code == "cancelled":
+            task.status, task.fence, task.holder, task.result, task.done_publish = DONE, token, None, True, ""
+            task.forgotten, task.ended_by = False, None
+
+    def redriven(self, task_id: str, code: str) -> None:
+        task = self.tasks[task_id]
+        if (code == "redriven") != (task.status == ABANDONED):
+            self.violated("model-mismatch", f"redrive of {task_id} answered {code} ({task.status})")
+        if code == "redriven":
+            task.status, task.takeovers, task.result, task.forgotten = LAPSED, 0, False, False
+
+    def forgotten(self, task_id: str, code: str) -> None:
+        """``forget()``: the result goes; a finished task's fence stays, as a tombstone that
+        refuses a late copy and a late write (for the forget window, longer than a run)."""
+        task = self.tasks[task_id]
+        expected = "forgotten" if task.status in FINAL else "deleted"
+        if code != expected:
+            self.violated("model-mismatch", f"forget of {task_id} answered {code} ({task.status}), expected {expected}")
+        task.result = False
+        task.forgotten = task.status in FINAL
+
+    # -- what happens to the Redis ------------------------------------------------------
+
+    def flushed(self) -> None:
+        """Every key gone: the tasks' state, fences and records (not the tokens handed out,
+        which the contract still keeps above)."""
+        self.tasks = {task_id: task.fresh() for task_id, task in self.tasks.items()}
+
+    def counter_lost(self) -> None:
+        """The token counter and its epoch gone; nothing else."""
+
+    def failed_over(self) -> None:
+        """A promotion that lost the counter's last increments; nothing else."""
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def check_redis(self, task_id: str, fields: dict[str, str], result: bytes | str | None) -> None:
+        """Redis holds a live lease only for the task's newest token, and a finished task as
+        finished (until FLUSHDB; after forget() as its tombstone)."""
+        task = self.tasks[task_id]
+        status = fields.get("status")
+        if status in ("RUNNING", "STALLED") and int(fields.get("ownerToken", 0)) < task.fence:
+            self.violated(
+                "live-lease-not-newest",
+                f"{task_id} is {status} for token {fields.get('ownerToken')}, the newest is {task.fence}",
+            )
+        if task.status in FINAL:
+            finished = status in FINAL or (status is None and result is not None and "fence_token" in as_text(result))
+            if not finished:
+                self.violated(
+                    "final-undone", f"{task_id} is {task.status} in the model, Redis has {fields or result!r}"
+                )
+
+    def check_one_live_owner(self) -> None:
+        """The model's own consistency: at most one owner per task holds it live."""
+        for task_id in self.tasks:
+            live = [
+                owner
+                for owner in self.owners
+                if owner.task_id == task_id and owner.believes_live and not owner.expired and self.current(owner)
+            ]
+            if len(live) > 1:
+                self.violated("two-writers", f"{task_id} held live by {live}")

@@ -7,7 +7,7 @@ import weakref
 
 from celery import Celery
 
-from celery_fenced import apps
+from celery_fenced._celery import apps
 from celery_fenced.conf import ensure_conf, reset_conf
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timezone
 from enum import Enum
+from types import MethodType
 from typing import Any
 
 import celery
@@ -29,14 +30,17 @@ __all__ = [
     "StoreResultHook",
     "StrEnum",
     "WeakrefSlot",
+    "acks_on_timeout",
     "active_apps",
     "call_errbacks",
     "fail_chain",
     "failure_expires",
     "get_actual_ignore_result",
+    "hold_back_consumer",
     "is_connected",
     "is_process_lost",
     "is_request_ignore_result",
+    "leave_result_subscriptions",
     "maintain_pool",
     "outside_any_task",
     "pool_processes",
@@ -147,9 +151,39 @@ def maintain_pool(pool: Any) -> None:
     pool._pool.maintain_pool()
 
 
+def hold_back_consumer(consumer: Any, hold: Callable[[], bool]) -> bool:
+    """Redis broker: the worker's task consumer takes no message while ``hold()`` is true.
+
+    The way Celery 5.6's own ``worker_disable_prefetch`` does it: kombu's Redis transport asks
+    its channel's ``QoS.can_consume()`` before it fetches. Other transports (RabbitMQ, whose
+    prefetch the broker enforces) are left alone; returns whether the hold is in place.
+    """
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if task_consumer is None or consumer.connection.transport.driver_type != "redis":
+        return False
+    qos = task_consumer.channel.qos
+    can_consume = qos.can_consume
+
+    def can_consume_unless_held(self: Any) -> bool:
+        return False if hold() else bool(can_consume())
+
+    qos.can_consume = MethodType(can_consume_unless_held, qos)
+    return True
+
+
 def request_context(request: Any) -> Any:
     """The task context Celery builds from a worker request's message (``Request._context``)."""
     return request._context
+
+
+def acks_on_timeout(task: Any) -> bool:
+    """Whether a late-acked task's message is acknowledged when a time limit ends it (else
+    Celery puts it back, to run again): Celery 5.7's ``acks_on_timeout``, which falls back to
+    ``acks_on_failure_or_timeout`` (the only setting of 5.5 and 5.6)."""
+    value = getattr(task, "acks_on_timeout", None)
+    if value is None:
+        value = getattr(task, "acks_on_failure_or_timeout", True)
+    return bool(value)
 
 
 def is_process_lost(request: Any, exc: BaseException) -> bool:
@@ -236,7 +270,16 @@ def is_request_ignore_result(request: Any) -> bool:
 
 class StoreResultHook:
     """Mixed in before Celery's Redis backend: its one write that receives the request
-    (Celery 5.5–5.7: the private ``_store_result``) goes to :meth:`store_with_request`."""
+    (Celery 5.5–5.7: the private ``_store_result``) goes to :meth:`store_with_request`, and
+    the deletion behind ``AsyncResult.forget()`` (the private ``_forget``, which ``forget()``
+    calls in Celery's retry loop) to :meth:`forget_result`."""
+
+    def forget_result(self, task_id: str) -> None:
+        """Delete a task's result for ``AsyncResult.forget()``; implemented by the backend."""
+        raise NotImplementedError
+
+    def _forget(self, task_id: str) -> None:
+        self.forget_result(task_id)
 
     def store_with_request(
         self, task_id: str, result: Any, state: str, traceback: Any, request: Any, **kwargs: Any
@@ -254,6 +297,28 @@ class StoreResultHook:
         **kwargs: Any,
     ) -> Any:
         return self.store_with_request(task_id, result, state, traceback, request, **kwargs)
+
+
+def leave_result_subscriptions(consumer: Any) -> None:
+    """Close a Redis result consumer's pubsub and forget what it was subscribed to.
+
+    Its later ``cancel_for`` (from ``AsyncResult.__del__``) then sends nothing: Celery 5.7
+    unsubscribes only a key in ``subscribed_to``, and every version only while ``_pubsub`` is
+    set (5.5 and 5.6 send UNSUBSCRIBE for any key). Both names are private. Run at interpreter
+    exit, before the modules go: a result collected later would otherwise connect again and
+    import (redis-py's parser does, on connect), which fails once Python shuts down.
+    """
+    pubsub = getattr(consumer, "_pubsub", None)
+    consumer._pubsub = None
+    subscribed = getattr(consumer, "subscribed_to", None)
+    if subscribed is not None:
+        subscribed.clear()
+    pending = getattr(consumer, "_pending_unsubscribe", None)  # Celery 5.7
+    if pending is not None:
+        pending.clear()
+    if pubsub is not None:
+        with contextlib.suppress(Exception):
+            pubsub.close()
 
 
 def result_meta(backend: Any, result: Any, state: str, traceback: Any, request: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``celery_fenced.compat`` is the one module that names a private or version-specific name of
+"""``celery_fenced._celery.compat`` is the one module that names a private or version-specific name of
 Celery, kombu, redis-py or Python; its shims behave as the newest versions do."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 import celery_fenced
-from celery_fenced import compat
+from celery_fenced._celery import compat
 
 PACKAGE = Path(celery_fenced.__file__).parent
 
@@ -45,7 +45,7 @@ def package_sources() -> dict[str, str]:
     for info in pkgutil.walk_packages(celery_fenced.__path__, "celery_fenced."):
         module = importlib.import_module(info.name)
         path = Path(inspect.getfile(module))
-        if info.name != "celery_fenced.compat" and path.suffix == ".py":
+        if info.name != "celery_fenced._celery.compat" and path.suffix == ".py":
             found[info.name] = path.read_text()
     found["celery_fenced"] = (PACKAGE / "__init__.py").read_text()
     return found
@@ -135,7 +135,7 @@ def test_version_specific_names_are_used_through_compat_only(pattern: str) -> No
 
 
 def test_every_shim_says_which_version_needs_it() -> None:
-    source = (PACKAGE / "compat.py").read_text()
+    source = (PACKAGE / "_celery" / "compat.py").read_text()
     shims = [node for node in ast.parse(source).body if isinstance(node, ast.If)]
     assert shims, "the version switches of compat.py"
     lines = source.splitlines()
@@ -198,13 +198,13 @@ def test_the_context_hook_request_is_made_only_when_asked_for() -> None:
     import subprocess
 
     code = (
-        "import sys, celery_fenced.compat as c; assert 'celery.worker.request' not in sys.modules; "
+        "import sys, celery_fenced._celery.compat as c; assert 'celery.worker.request' not in sys.modules; "
         "cls = c.ContextHookRequest; assert 'celery.worker.request' in sys.modules; "
         "assert cls is c.ContextHookRequest; print(cls.__module__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "celery_fenced.compat"
+    assert done.stdout.strip() == "celery_fenced._celery.compat"
     with pytest.raises(AttributeError, match="no attribute 'Missing'"):
         compat.Missing  # noqa: B018
 

@@ -24,8 +24,8 @@ class AppRecord:
     Attributes:
         conf: its validated configuration.
         done: the one-time steps done for it.
-        write_hook: what hears its backend's writes (see :mod:`celery_fenced.writes`).
-        runtime: its worker runtime in this process (see :mod:`celery_fenced.worker.runtime`).
+        write_hook: what hears its backend's writes (see :mod:`celery_fenced._backend.writes`).
+        runtime: its worker runtime in this process (see :mod:`celery_fenced._worker.runtime`).
         dispatcher: its event dispatcher and the pid of the process that made it.
         shared_store: where the process's threads are greenlets, the lease store its backends
             share, with what it was made for (see ``FencedRedisBackend.lease_store``).
@@ -39,6 +39,7 @@ class AppRecord:
     shared_store: tuple[Any, Any] | None = None
 
 
+# Global: an app cannot carry its record, and a weak key lets a discarded app take it along.
 _records: WeakKeyDictionary[Any, AppRecord] = WeakKeyDictionary()
 _lock = threading.Lock()
 

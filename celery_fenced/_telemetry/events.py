@@ -4,7 +4,9 @@ Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progres
 the heartbeat after an attempt's first renewal and after a renewal that published a new stage
 or new details, and at once by the acquire of a takeover), ``task-stalled``,
 ``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``; and Celery's
-``task-failed`` for an attempt stopped at ``fenced_max_task_duration``. They go
+``task-failed`` for an attempt stopped at ``fenced_max_task_duration``; and, from the
+operator's commands, Celery's ``task-revoked`` for a cancel and ``task-takeover`` for a
+redrive (``cause`` :data:`CANCEL_CAUSE`, :data:`REDRIVE_CAUSE`). They go
 through the app's event dispatcher with an explicit uuid (the heartbeat thread has no task
 request), only when task events are on (``-E`` or ``worker_send_task_events``), and never
 from ``progress()``. Sending is best effort: a broker error drops the event, not the task.
@@ -15,17 +17,24 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import Celery
 
-from .apps import record_of
+from .._celery.apps import record_of
+from .process import TELEMETRY
 
-if TYPE_CHECKING:
-    from .owner import OwnedLease
-
-__all__ = ["CELERY_EVENT_TYPES", "EVENT_TYPES", "configure", "enabled", "send", "send_about"]
+__all__ = [
+    "CANCEL_CAUSE",
+    "CELERY_EVENT_TYPES",
+    "EVENT_TYPES",
+    "REDRIVE_CAUSE",
+    "EventSubject",
+    "configure",
+    "enabled",
+    "send",
+    "send_about",
+]
 
 logger = logging.getLogger("celery_fenced.events")
 
@@ -43,21 +52,25 @@ EVENT_TYPES = (
 #: and a task cancelled while no owner ran it (no worker hears of that cancel).
 CELERY_EVENT_TYPES = ("task-failed", "task-revoked")
 
-_settings: dict[str, Any] = {"enabled": None, "hostname": None}
-_lock = threading.Lock()
+#: The ``cause`` of the events an operator's command sends, whatever this process's event
+#: setting: ``celery fenced cancel`` sends Celery's ``task-revoked`` (with the cancel's token
+#: and ``reason``), ``celery fenced redrive`` a ``task-takeover``. Flower's integration shows
+#: them at once, whatever Celery's order of states says.
+CANCEL_CAUSE = "cancel"
+REDRIVE_CAUSE = "redrive"
 
 
 def configure(*, enabled: bool | None = None, hostname: str | None = None) -> None:
     """Set, for this process and its forks, whether events are on and the sender's name."""
     if enabled is not None:
-        _settings["enabled"] = enabled
+        TELEMETRY.events_enabled = enabled
     if hostname is not None:
-        _settings["hostname"] = hostname
+        TELEMETRY.events_hostname = hostname
 
 
 def enabled(app: Celery) -> bool:
     """True when task events are on for this worker (``-E``) or by setting."""
-    flag = _settings["enabled"]
+    flag = TELEMETRY.events_enabled
     if flag is None:
         flag = bool(app.conf.worker_send_task_events)
     return bool(flag)
@@ -70,7 +83,7 @@ def _dispatcher(app: Celery) -> Any:
     if record.dispatcher is not None and record.dispatcher[0] == pid:
         return record.dispatcher[1]
     # None yet, or inherited through fork: its connection is the parent's.
-    hostname = _settings["hostname"] or f"celery@{socket.gethostname()}"
+    hostname = TELEMETRY.events_hostname or f"celery@{socket.gethostname()}"
     dispatcher = app.events.Dispatcher(
         app.connection_for_write(), hostname=hostname, enabled=True, buffer_while_offline=False
     )
@@ -99,17 +112,41 @@ def send(
     if not always and not enabled(app):
         return False
     try:
-        with _lock:
+        with TELEMETRY.events_lock:
             _dispatcher(app).send(event_type, uuid=task_id, token=token, stage=stage or "", attempt=attempt, **fields)
     except Exception as exc:
         logger.debug("could not send %s for %s: %r", event_type, task_id, exc)
-        with _lock:
+        with TELEMETRY.events_lock:
             record_of(app).dispatcher = None
         return False
     return True
 
 
-def send_about(app: Celery, event_type: str, lease: OwnedLease, **fields: Any) -> None:
+class EventSubject(Protocol):
+    """What an event about an attempt says of it (the owner's lease has these)."""
+
+    @property
+    def task_id(self) -> str:
+        """The task id."""
+
+    @property
+    def task_name(self) -> str:
+        """The task's registered name."""
+
+    @property
+    def token(self) -> int:
+        """The attempt's fencing token."""
+
+    @property
+    def stage(self) -> str | None:
+        """The stage the body last reported."""
+
+    @property
+    def attempt(self) -> int:
+        """Executions of the task id that acquired, this one included."""
+
+
+def send_about(app: Celery, event_type: str, lease: EventSubject, **fields: Any) -> None:
     """Send a task event about ``lease`` (its id, token, stage, attempt and name) plus ``fields``.
 
     Nothing is built when events are off: an attempt's first event is on every task's path.

@@ -10,16 +10,17 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_fenced import events
-from celery_fenced.apps import record_of
+from celery_fenced._celery.apps import record_of
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._telemetry import events
+from celery_fenced._telemetry.process import TELEMETRY
 from celery_fenced.conf import FencedConfig
-from celery_fenced.owner import OwnedLease
 
 
 @pytest.fixture
 def app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
-    monkeypatch.setitem(events._settings, "enabled", None)
-    monkeypatch.setitem(events._settings, "hostname", None)
+    monkeypatch.setattr(TELEMETRY, "events_enabled", None)
+    monkeypatch.setattr(TELEMETRY, "events_hostname", None)
     app = Celery("events", broker="memory://", set_as_current=False)
     yield app
     app.close()
@@ -42,7 +43,9 @@ def received(app: Celery, send: Any) -> list[dict[str, Any]]:
 
 def lease() -> OwnedLease:
     policy = FencedConfig.from_mapping({}).policy
-    return OwnedLease("t1", "proj.report", "host/1/a", 7, 2, 1, policy, stage="load-data")
+    owned = OwnedLease("t1", "proj.report", "host/1/a", 7, 2, 1, policy)
+    owned.progress("load-data")
+    return owned
 
 
 def test_an_event_about_a_lease_reaches_a_receiver(app: Celery) -> None:

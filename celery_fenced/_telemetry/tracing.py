@@ -24,8 +24,8 @@ span work but on a stage change.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 try:
     from opentelemetry import trace
@@ -33,9 +33,6 @@ try:
 except ImportError:  # the tracing is optional: everything below does nothing
     trace = None  # type: ignore[assignment]
     TraceContextTextMapPropagator = None  # type: ignore[assignment,misc]
-
-if TYPE_CHECKING:
-    from .owner import OwnedLease
 
 __all__ = [
     "ATTEMPT",
@@ -111,27 +108,27 @@ def _links_of(request: Any) -> list[Any]:
     return links
 
 
-def attempt_began(lease: OwnedLease, request: Any) -> str | None:
-    """The body of ``lease``'s attempt begins inside the current span: describe the attempt on
-    it, link it to a takeover's history, and keep it on the lease for the heartbeat's events.
+def attempt_began(request: Any, *, token: int, attempt: int, takeovers: int, stage: str | None) -> Any | None:
+    """The body of an attempt of ``request`` begins inside the current span: describe the
+    attempt on it (its ``token``, ``attempt`` number, ``takeovers`` and ``stage``) and link it
+    to a takeover's history.
 
     Returns:
-        The span's ``traceparent`` (for the lease, so that a takeover can link to it), or
-        ``None`` when nothing records.
+        The span, recording (the caller keeps it for the attempt's later events, and its
+        :func:`traceparent_of` so that a takeover can link to it), or ``None`` when nothing records.
     """
     if trace is None:
         return None
     span = trace.get_current_span()
     if not span.is_recording():
         return None
-    lease.span = span
-    attributes: dict[str, Any] = {TOKEN: lease.token, ATTEMPT: lease.attempt, TAKEOVERS: lease.takeovers}
-    if lease.stage is not None:
-        attributes[STAGE] = lease.stage
+    attributes: dict[str, Any] = {TOKEN: token, ATTEMPT: attempt, TAKEOVERS: takeovers}
+    if stage is not None:
+        attributes[STAGE] = stage
     span.set_attributes(attributes)
     for context, link_attributes in _links_of(request):
         span.add_link(context, link_attributes)
-    return traceparent_of(span)
+    return span
 
 
 def stage_changed(span: Any, stage: str) -> None:
@@ -141,47 +138,48 @@ def stage_changed(span: Any, stage: str) -> None:
         span.add_event("celery_fenced.progress", {"stage": stage})
 
 
-def stalled(lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-    """The heartbeat found the attempt past its progress deadline."""
-    if _recording(lease.span):
-        lease.span.add_event(
+def stalled(span: Any, stage: str | None, bound: str, allowed: float, elapsed: float) -> None:
+    """The heartbeat found the attempt of ``span`` past its progress deadline in ``stage``."""
+    if _recording(span):
+        span.add_event(
             "celery_fenced.stalled",
-            {"stage": lease.stage or "", "bound": bound, "allowed": allowed, "elapsed": elapsed},
+            {"stage": stage or "", "bound": bound, "allowed": allowed, "elapsed": elapsed},
         )
 
 
-def lease_lost(lease: OwnedLease, reason: str) -> None:
-    """The attempt lost its lease."""
-    if _recording(lease.span):
-        lease.span.add_event("celery_fenced.lease_lost", {"reason": reason})
+def lease_lost(span: Any, reason: str) -> None:
+    """The attempt of ``span`` lost its lease."""
+    if _recording(span):
+        span.add_event("celery_fenced.lease_lost", {"reason": reason})
 
 
-def write_refused(lease: OwnedLease, state: str, current_token: int | None) -> None:
-    """The attempt's result write was refused by the fence: a newer token owns the task."""
-    if _recording(lease.span):
-        attributes: dict[str, Any] = {"state": state, TOKEN: lease.token}
+def write_refused(span: Any, token: int, state: str, current_token: int | None) -> None:
+    """The result write of the attempt of ``span`` (with ``token``) was refused by the fence:
+    a newer token owns the task."""
+    if _recording(span):
+        attributes: dict[str, Any] = {"state": state, TOKEN: token}
         if current_token is not None:
             attributes["celery_fenced.current_token"] = current_token
-        lease.span.add_event("celery_fenced.write_refused", attributes)
+        span.add_event("celery_fenced.write_refused", attributes)
 
 
 @contextlib.contextmanager
-def takeover_span(task_id: str, cause: str, replaced: Mapping[str, Any]) -> Iterator[dict[str, str]]:
+def takeover_span(task_id: str, cause: str, *, token: int, traceparent: str) -> Iterator[dict[str, str]]:
     """The reaper's re-send of ``task_id``, as a span linked to the attempt it replaces.
 
-    ``replaced`` is the claimed lease's fields (``ownerToken``, ``traceContext``). Yields
-    the headers the re-sent message carries (empty when nothing records).
+    ``token`` and ``traceparent`` are the claimed lease's (its owner's token, ``0`` when
+    none, and the run span it kept, ``""`` when none). Yields the headers the re-sent
+    message carries (empty when nothing records).
     """
     if trace is None:
         yield {}
         return
-    replaced_traceparent = str(replaced.get("traceContext") or "")
+    replaced_traceparent = traceparent
     replaced_context = _context_of(replaced_traceparent)
     links = [trace.Link(replaced_context, {"celery_fenced.link": "replaced"})] if replaced_context else []
     attributes: dict[str, Any] = {"celery.task_id": task_id, "cause": cause}
-    token = str(replaced.get("ownerToken") or "")
-    if token.isdigit():
-        attributes[TOKEN] = int(token)
+    if token > 0:
+        attributes[TOKEN] = token
     tracer = trace.get_tracer(_TRACER_NAME)
     with tracer.start_as_current_span(TAKEOVER_SPAN, links=links, attributes=attributes) as span:
         if not span.is_recording():

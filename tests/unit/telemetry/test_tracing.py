@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from celery_fenced import tracing
+from celery_fenced._telemetry import tracing
 
 
 def test_without_opentelemetry_every_call_is_a_no_op() -> None:
@@ -15,15 +15,14 @@ def test_without_opentelemetry_every_call_is_a_no_op() -> None:
         import sys
         sys.modules["opentelemetry"] = None  # as if opentelemetry-api were not installed
         from types import SimpleNamespace
-        from celery_fenced import tracing
+        from celery_fenced._telemetry import tracing
         assert not tracing.available()
-        lease = SimpleNamespace(span=None, stage="load", token=3, attempt=1, takeovers=0)
-        assert tracing.attempt_began(lease, SimpleNamespace()) is None
+        assert tracing.attempt_began(SimpleNamespace(), token=3, attempt=1, takeovers=0, stage="load") is None
         tracing.stage_changed(None, "load")
-        tracing.stalled(lease, "stage", 1.0, 2.0)
-        tracing.lease_lost(lease, "taken over")
-        tracing.write_refused(lease, "SUCCESS", 4)
-        with tracing.takeover_span("t1", "stalled", {"ownerToken": "3", "traceContext": "x"}) as headers:
+        tracing.stalled(None, "load", "stage", 1.0, 2.0)
+        tracing.lease_lost(None, "taken over")
+        tracing.write_refused(None, 3, "SUCCESS", 4)
+        with tracing.takeover_span("t1", "stalled", token=3, traceparent="x") as headers:
             assert headers == {}
         print("no-op")
         """
@@ -38,10 +37,8 @@ def test_without_a_recording_span_nothing_is_kept_or_sent() -> None:
     # and the re-send carries no links.
     from types import SimpleNamespace
 
-    lease = SimpleNamespace(span=None, stage=None, token=3, attempt=1, takeovers=0)
-    assert tracing.attempt_began(lease, SimpleNamespace()) is None  # type: ignore[arg-type]
-    assert lease.span is None
-    with tracing.takeover_span("t1", "stalled", {"ownerToken": "3"}) as headers:
+    assert tracing.attempt_began(SimpleNamespace(), token=3, attempt=1, takeovers=0, stage=None) is None
+    with tracing.takeover_span("t1", "stalled", token=3, traceparent="") as headers:
         assert headers == {}
 
 

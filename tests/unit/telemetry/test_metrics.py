@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_fenced.metrics import MetricsBuffer
+from celery_fenced._telemetry.metrics import MetricsBuffer
 
 SERIES = "owner_stage_duration_seconds|stage=LOAD"
 
@@ -69,9 +69,9 @@ def test_unknown_names_are_refused() -> None:
 def test_new_stage_series_past_the_bound_are_counted_under_other(
     redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from celery_fenced import metrics
-    from celery_fenced.keys import KeySpace
-    from celery_fenced.store import LeaseStore
+    from celery_fenced._lease.keys import KeySpace
+    from celery_fenced._lease.store import LeaseStore
+    from celery_fenced._telemetry import metrics
 
     store = LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
     monkeypatch.setattr(metrics, "MAX_METRIC_FIELDS", 20)
@@ -94,9 +94,9 @@ def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_and_due
 ) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from celery_fenced.keys import KeySpace
-    from celery_fenced.metrics import ClusterCollector
-    from celery_fenced.store import LeaseStore
+    from celery_fenced._lease.keys import KeySpace
+    from celery_fenced._lease.store import LeaseStore
+    from celery_fenced._telemetry.metrics import ClusterCollector
 
     store = LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
     registry = CollectorRegistry()
@@ -121,8 +121,8 @@ def test_the_exporter_serves_every_takeover_cause_from_zero_and_the_live_and_due
 
 
 def test_a_lease_counts_as_due_within_the_longest_of_the_lease_and_the_timeouts() -> None:
+    from celery_fenced._telemetry.metrics import DEFAULT_DUE_HORIZON_MS
     from celery_fenced.conf import FencedConfig
-    from celery_fenced.metrics import DEFAULT_DUE_HORIZON_MS
 
     assert FencedConfig.from_mapping({}).due_horizon_ms == DEFAULT_DUE_HORIZON_MS == 60_000
     assert FencedConfig.from_mapping({"fenced_requeue_timeout": 120}).due_horizon_ms == 120_000

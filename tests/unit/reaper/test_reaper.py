@@ -12,8 +12,9 @@ from celery.signals import beat_init
 from kombu.utils import json
 
 from celery_fenced import install, reap
+from celery_fenced._celery.headers import PASSED_ON_HEADER
+from celery_fenced._reaper.reaper import REAP_TASK_NAME, SCHEDULE_NAME
 from celery_fenced.exceptions import ConfigurationError
-from celery_fenced.reaper import REAP_TASK_NAME, SCHEDULE_NAME
 from tests.support.redis_server import RedisServer
 
 CALL = {"task": "proj.report", "args": [7], "kwargs": {"fast": True}, "options": {"queue": "reports"}}
@@ -139,3 +140,31 @@ def test_beat_start_warns_and_restores_a_wiped_schedule(caplog: pytest.LogCaptur
         beat_init.send(sender=sender)
     assert "beat_schedule has no 'celery_fenced.reap' entry" in caplog.text
     assert SCHEDULE_NAME in app.conf.beat_schedule and "mine" in app.conf.beat_schedule
+
+
+def test_in_beats_process_the_reap_task_runs_the_pass_there_and_sends_no_message(app: Celery, tmp_path: Any) -> None:
+    from celery.beat import Service
+
+    install(app)
+    app.conf.update(timezone="UTC")
+    reap_task = app.tasks[REAP_TASK_NAME]
+    reap_task.apply_async(expires=1)  # outside beat: a task message, for those who schedule it otherwise
+    assert [m["headers"]["task"] for m in queued(app, "celery")] == [REAP_TASK_NAME]
+    store = lapsed(app, "r1")
+    beat_init.send(sender=Service(app, schedule_filename=str(tmp_path / "schedule")))
+    result = reap_task.apply_async(expires=1)  # what beat's scheduler calls for the due entry
+    assert result.get() == 1 and result.id
+    assert store.read("r1").status == "REQUEUED"  # type: ignore[union-attr]
+    assert [m["headers"]["id"] for m in queued(app, "reports")] == ["r1"]
+    assert len(queued(app, "celery")) == 1  # beat's tick sent no reap message: it reaped here
+
+
+def test_a_re_send_carries_no_earlier_pass_on(app: Celery) -> None:
+    store = app.backend.lease_store
+    call = {**CALL, "options": {**CALL["options"], "headers": {PASSED_ON_HEADER: "w1@host"}}}
+    state = store.acquire("r1", "host/1/a", ttl_ms=60_000, task_name="proj.report", max_takeovers=3, call=call).state
+    assert store.lapse("r1", "host/1/a", state.owner_token, mode="release") == "ok"
+    assert reap(app).requeued == ["r1"]
+    (message,) = queued(app, "reports")
+    # The worker that passed the earlier copy on may pass this one on again.
+    assert PASSED_ON_HEADER not in message["headers"]

@@ -10,9 +10,9 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from celery_fenced import ProgressLeasedTask
+from celery_fenced._worker.hooks import on_task_postrun, on_task_prerun
+from celery_fenced._worker.runtime import runtime_of
 from celery_fenced.exceptions import LeaseInterrupted, LeaseLostError
-from celery_fenced.worker.hooks import on_task_postrun, on_task_prerun
-from celery_fenced.worker.runtime import runtime_of
 
 
 @pytest.fixture
@@ -79,6 +79,21 @@ def test_a_body_under_a_lease_sees_its_token_and_progresses(app: Celery) -> None
     token = run_in_worker(report, "w1")
     state = app.backend.lease_store.read("w1")
     assert token > 0 and state.owner_token == token and state.status == "DONE"  # type: ignore[union-attr]
+
+
+def test_an_eager_call_of_itself_inside_a_leased_body_runs_without_the_body_s_lease(app: Celery) -> None:
+    seen: list[tuple[int, bool]] = []
+
+    @app.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def report(self: Any, inner: bool) -> int:
+        if not inner:
+            self.apply(args=(True,), task_id="inner")  # an eager call of the same task, another id
+        seen.append((int(self.fencing_token), self.checkpoint is None))
+        return int(self.fencing_token)
+
+    token = run_in_worker(report, "w2", False)
+    assert token > 0
+    assert seen == [(0, True), (token, True)]  # the eager call holds no lease; the body its own
 
 
 def test_an_interrupted_body_ends_as_ignore_and_stores_nothing(app: Celery) -> None:

@@ -9,8 +9,8 @@ from celery import Celery
 from celery.app.task import Context
 
 from celery_fenced import ProgressLeasedTask
-from celery_fenced.calls import recorded_call
-from celery_fenced.compat import get_actual_ignore_result
+from celery_fenced._celery.compat import get_actual_ignore_result
+from celery_fenced._task.calls import recorded_call
 
 app = Celery("call_record", set_as_current=False)
 
@@ -76,8 +76,9 @@ def test_attempt_ids_are_unique_across_threads_and_forks() -> None:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from celery_fenced.calls import next_attempt_id
+    from celery_fenced._task.calls import AttemptIds
 
+    next_attempt_id = AttemptIds().next_id
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda _: next_attempt_id(), range(2000)))
     assert len(set(ids)) == len(ids)
@@ -93,3 +94,31 @@ def test_attempt_ids_are_unique_across_threads_and_forks() -> None:
     os.close(write)
     assert child_id.startswith(f"{child}/")
     assert child_id.split("/")[1][:8] != ids[0].split("/")[1][:8]  # a new random part in the fork
+
+
+def test_the_replacement_that_runs_under_the_task_id_names_the_hand_off() -> None:
+    from celery import Celery, chain, group
+
+    from celery_fenced._celery.headers import HANDED_OFF_BY_HEADER, PUBLISH_ID_HEADER
+    from celery_fenced._task.calls import mark_replacement
+
+    app = Celery("calls", set_as_current=False)
+
+    @app.task(shared=False)
+    def step(x: int = 0) -> int:
+        return x
+
+    marked = {HANDED_OFF_BY_HEADER: "7", PUBLISH_ID_HEADER: "p1"}
+    single = step.s(1)
+    single.freeze("t1")
+    assert mark_replacement(single, "t1", "p1", 7) and single.options["headers"] == marked
+    steps = chain(step.s(1), step.s(2))
+    steps.freeze("t2")
+    assert mark_replacement(steps, "t2", "p1", 7)
+    assert steps.tasks[-1].options["headers"] == marked and "headers" not in steps.tasks[0].options
+    fanned = group(step.s(1), step.s(2)) | step.s()  # a group replaced: a chord, its body under the id
+    fanned.freeze("t3")
+    assert mark_replacement(fanned, "t3", "", 7)
+    assert fanned.body.options["headers"] == {HANDED_OFF_BY_HEADER: "7"}
+    assert not mark_replacement(step.s(1), "t4", "p1", 7)
+    app.close()

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from celery_fenced._task.details import check_details, encode_details
+from celery_fenced._task.owner import OwnedLease
 from celery_fenced.conf import FencedConfig
-from celery_fenced.details import check_details, encode_details
-from celery_fenced.owner import OwnedLease
 
 
 def lease_with(max_bytes: int = 4096) -> OwnedLease:
@@ -73,7 +73,7 @@ def test_the_report_carries_details_only_until_a_renewal_wrote_them() -> None:
     lease.progress("process", {"done": 3})
     report, sent = lease.report(0.0)
     assert json.loads(report.details) == {"done": 3} and report.stage == "process" and report.version == 1
-    lease.published_details = sent  # what the heartbeat does once the renewal is accepted
+    lease.watch.renewed_at(lease.renewed, sent)  # what the heartbeat does once the renewal is accepted
     lease.progress("process")  # progress without details keeps the last ones, published
     assert lease.report(0.0)[0].details == ""
     lease.progress("process", {"done": 4})

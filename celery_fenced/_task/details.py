@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .conf import DEFAULTS
+from ..conf import DEFAULTS
 
 __all__ = ["check_details", "encode_details"]
 

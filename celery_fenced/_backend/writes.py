@@ -2,7 +2,7 @@
 
 The backend only stores: each write's outcome goes, as a :class:`WriteReport`, to the one
 hook of its app (kept in the app's record, set by :func:`set_hook`). In a worker the worker
-side installs its own (:func:`~celery_fenced.worker.attempt.after_write`: the owner's lease
+side installs its own (:func:`~celery_fenced._worker.attempt.after_write`: the owner's lease
 ends or is lost, refusals are counted, a lapse asks for a reap). Elsewhere :func:`log_write`
 logs a refused write and sends ``stale_write_rejected``.
 """
@@ -14,12 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from celery import states
-
-from . import signals
-from .apps import record_of
-from .running import RunningAttempt
-from .state import StoreOutcome, StoreResult
+from .. import signals
+from .._celery.apps import record_of
+from .._lease.state import StoreOutcome, StoreResult
 
 __all__ = ["WriteHook", "WriteReport", "log_write", "set_hook"]
 
@@ -35,15 +32,15 @@ class WriteReport:
         state: the Celery state written.
         token: the token it carried (``None``: a tokenless write).
         outcome: what ``store.lua`` answered.
-        writer: the attempt that wrote with ``token`` (``None`` for a tokenless write).
+        request: the request the write was made with (the worker side finds its attempt
+            there; the backend reads nothing of it but the fence).
     """
 
     task_id: str
     state: str
     token: int | None
     outcome: StoreResult
-
-    writer: RunningAttempt | None = None
+    request: Any = None
 
     @property
     def current_token(self) -> int | None:
@@ -51,46 +48,48 @@ class WriteReport:
         detail = self.outcome.detail
         return int(detail) if self.outcome.code == StoreOutcome.STALE and detail.isdigit() else None
 
-    @property
-    def overtaken_by_its_retry(self) -> bool:
-        """A RETRY write refused because the retry message it sent already acquired the task
-        (``retry()`` moved the lease to RETRYING first): no loss, the retry is the owner now."""
-        lease = self.writer.lease if self.writer is not None else None
-        retrying = lease is not None and lease.retrying
-        return retrying and self.state == states.RETRY and self.outcome.code == StoreOutcome.STALE
-
 
 #: What hears each write of an app's backend: ``hook(backend, report)``.
 WriteHook = Callable[[Any, WriteReport], None]
 
 
-def log_write(backend: Any, report: WriteReport) -> None:
-    """Log a write that was not stored; signal ``stale_write_rejected`` for a stale one."""
+def log_write(
+    backend: Any,
+    report: WriteReport,
+    *,
+    task_name: str | None = None,
+    stage: str | None = None,
+    overtaken_by_its_retry: bool = False,
+) -> None:
+    """Log a write that was not stored; signal ``stale_write_rejected`` for a stale one.
+
+    The worker's hook adds what it knows of the writer: its task's name and stage, and
+    whether the write was refused because its own retry already runs.
+    """
     code = report.outcome.code
     if code == StoreOutcome.STORED:
         return
     task_id, state = report.task_id, report.state
-    if report.overtaken_by_its_retry:
+    if overtaken_by_its_retry:
         # The retry's new owner holds the task now, and its STARTED must not be overwritten.
         logger.info("RETRY of task %s not stored: its retry already runs (token %s)", task_id, report.outcome.detail)
         return
-    lease = report.writer.lease if report.writer is not None else None
-    name = lease.task_name if lease is not None else None
     if code == StoreOutcome.STALE:
         logger.warning(
             "stale write dropped: task %s[%s] state=%s stage=%s token=%s current token=%s",
-            name,
+            task_name,
             task_id,
             state,
-            lease.stage if lease is not None else None,
+            stage,
             report.token,
             report.current_token,
         )
         signals.stale_write_rejected.send(
-            sender=name, task_id=task_id, token=report.token, current_token=report.current_token, state=state
+            sender=task_name, task_id=task_id, token=report.token, current_token=report.current_token, state=state
         )
     elif code == StoreOutcome.LAPSED:
-        logger.warning("worker lost while running task %s: lease lapsed, the task will be taken over", task_id)
+        what = "request cancelled (a cold shutdown)" if state == "RETRY" else "worker lost"
+        logger.warning("%s while running task %s: lease lapsed, the task will be taken over", what, task_id)
     else:
         logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, report.outcome.detail)
 

@@ -33,7 +33,7 @@ def test_the_global_keyprefix_is_honoured_end_to_end(redis_server: RedisServer) 
     assert "tenant1_celery-task-meta-g1" in keys
     assert "tenant1_fenced:lease:{tenant1_celery-task-meta-g1}" in keys
     assert "tenant1_fenced:token" in keys
-    assert state.owner_token == 1
+    assert state.owner_token > 1
 
 
 def test_a_unix_socket_url_works(redis_server: RedisServer, tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def sentinel(redis_server: RedisServer, tmp_path: Path):  # type: ignore[no-unty
 
 
 def test_a_sentinel_url_gets_the_fenced_sentinel_backend(sentinel: int, redis_server: RedisServer) -> None:
-    from celery_fenced.backend import FencedSentinelBackend
+    from celery_fenced._backend.backend import FencedSentinelBackend
 
     backend = backend_of(
         f"fenced+sentinel://127.0.0.1:{sentinel}/9",
@@ -97,9 +97,9 @@ def test_an_owners_ready_write_carries_the_fence_or_leaves_a_tombstone(
 ) -> None:
     from celery.app.task import Context
 
+    from celery_fenced._task.owner import OwnedLease
+    from celery_fenced._worker.attempt import begin
     from celery_fenced.conf import FencedConfig
-    from celery_fenced.owner import OwnedLease
-    from celery_fenced.worker.attempt import begin
 
     backend = backend_of(
         "fenced+" + redis_server.url(8), result_serializer=serializer, accept_content=["json", "pickle"]
@@ -126,3 +126,28 @@ def test_an_owners_ready_write_carries_the_fence_or_leaves_a_tombstone(
         assert finished is not None and (finished.status, finished.owner_token) == ("DONE", acquired.token)
         assert (finished.attempt, finished.takeovers) == (1, 0)
         client.flushdb()
+
+
+def test_the_store_runs_a_call_again_under_the_backends_retry_policy(fenced_app: Celery) -> None:
+    fenced_app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 2, "interval_start": 0}}
+    backend = fenced_app.backend
+    retry = backend.lease_store.retry
+    assert retry.errors == tuple(backend.connection_errors)
+    calls: list[int] = []
+
+    def blip(answer: str) -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise redis.ConnectionError("a blip")
+        return answer
+
+    assert retry(blip, "answered") == "answered" and len(calls) == 3
+
+    def down() -> None:
+        calls.append(1)
+        raise redis.ConnectionError("down")
+
+    calls.clear()
+    with pytest.raises(redis.ConnectionError):
+        retry(down)
+    assert len(calls) == 4  # once, then Celery's loop: its own call and the max_retries (2) more

@@ -9,15 +9,17 @@ import redis
 from celery import Celery
 from celery.app.task import Context
 
-from celery_fenced import metrics
+from celery_fenced._backend.fence import SKIPPED, fence_of
+from celery_fenced._backend.writes import WriteReport
+from celery_fenced._lease.keys import KeySpace
+from celery_fenced._lease.state import StoreOutcome, StoreResult
+from celery_fenced._lease.store import LeaseStore
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._task.running import ATTEMPT_ATTRIBUTE, began
+from celery_fenced._telemetry.metrics import MetricsBuffer
+from celery_fenced._telemetry.process import TELEMETRY
+from celery_fenced._worker.attempt import Attempt, attempt_of, begin, fence_for, overtaken_by_its_retry, skip
 from celery_fenced.conf import FencedConfig
-from celery_fenced.keys import KeySpace
-from celery_fenced.metrics import MetricsBuffer
-from celery_fenced.owner import OwnedLease
-from celery_fenced.state import StoreOutcome, StoreResult
-from celery_fenced.store import LeaseStore
-from celery_fenced.worker.attempt import Attempt, attempt_of, begin
-from celery_fenced.writes import WriteReport
 
 OWNER = "host/1/a"
 
@@ -30,7 +32,7 @@ def store(redis_client: redis.Redis) -> LeaseStore:
 @pytest.fixture
 def buffer(monkeypatch: pytest.MonkeyPatch) -> MetricsBuffer:
     fresh = MetricsBuffer()
-    monkeypatch.setattr(metrics, "buffer", fresh)
+    monkeypatch.setattr(TELEMETRY, "metrics", fresh)
     return fresh
 
 
@@ -48,21 +50,36 @@ def held(store: LeaseStore, task_id: str = "t1") -> OwnedLease:
 def written(attempt: Attempt, state: str, outcome: StoreResult) -> WriteReport:
     """The report of a write the attempt made for its own task."""
     assert attempt.lease is not None
-    return WriteReport(attempt.lease.task_id, state, attempt.lease.token, outcome, attempt)
+    request = Context(id=attempt.lease.task_id, **{ATTEMPT_ATTRIBUTE: attempt})
+    return WriteReport(attempt.lease.task_id, state, attempt.lease.token, outcome, request)
 
 
 def test_the_attempt_rides_on_its_request_and_nowhere_else() -> None:
     request = Context(id="t1")
-    assert attempt_of(request) is None
+    assert attempt_of(request) is None and not began(request)
     attempt = begin(request)
-    assert attempt_of(request) is attempt and attempt.lease is None and attempt.owner_id == ""
+    assert attempt_of(request) is attempt and attempt.lease is None and began(request)
+    assert fence_of(request) is None  # no lease: its writes carry no token
     assert attempt_of(None) is None
 
 
-def test_a_write_for_another_task_id_carries_no_token(store: LeaseStore) -> None:
-    attempt = Attempt(lease=held(store))
-    assert attempt.token_for("t1") == attempt.lease.token  # type: ignore[union-attr]
-    assert attempt.token_for("another") is None
+def test_the_request_of_a_leased_attempt_carries_its_fence_as_plain_data(store: LeaseStore) -> None:
+    lease = held(store)
+    lease.publish_id = "pub1"
+    request = Context(id="t1")
+    begin(request, lease)
+    fence = fence_of(request)
+    assert fence == fence_for(lease)
+    assert fence is not None and (fence.task_id, fence.token, fence.owner_id) == ("t1", lease.token, OWNER)
+    assert (fence.publish_id, fence.attempt, fence.takeovers) == ("pub1", lease.attempt, lease.takeovers)
+    assert not fence.skipped and not fence.result_stored and fence.retry_delay == 0.0
+
+
+def test_a_skipped_delivery_drops_its_writes() -> None:
+    request = Context(id="t1")
+    attempt = begin(request)
+    skip(request, attempt, "duplicate")
+    assert attempt.skip == "duplicate" and fence_of(request) is SKIPPED and SKIPPED.skipped
 
 
 def test_a_stored_ready_state_ends_the_lease_and_counts_the_attempt(
@@ -98,7 +115,7 @@ def test_a_stale_success_soon_after_a_takeover_loses_the_lease_and_is_a_false_ta
         store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, str(lease.token + 1)))
     )
     assert lease.lost_reason == "fenced: a newer token owns the task"
-    counted = dict(store.metric_fields())  # flushed with the loss
+    counted = dict(store.metrics.metric_fields())  # flushed with the loss
     assert counted["owner_false_takeover_total|stage=call-ai"] == 1
 
 
@@ -106,13 +123,13 @@ def test_a_stale_success_long_after_its_deadline_is_no_false_takeover(
     store: LeaseStore, buffer: MetricsBuffer, app: Celery
 ) -> None:
     lease = held(store)
-    lease.last_progress = time.monotonic() - 60  # 12 times its 5 s deadline
+    lease.body.last_progress = time.monotonic() - 60  # 12 times its 5 s deadline
     store.lapse("t1", OWNER, lease.token, mode="release")
     store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
     attempt = Attempt(lease=lease)
     attempt.result_written(store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, "99")))
     assert lease.lost_reason is not None
-    assert not any(field.startswith("owner_false_takeover_total") for field in store.metric_fields())
+    assert not any(field.startswith("owner_false_takeover_total") for field in store.metrics.metric_fields())
 
 
 def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: LeaseStore, app: Celery) -> None:
@@ -120,7 +137,7 @@ def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: Leas
     lease.mark_retrying()  # retry() moved the lease to RETRYING before sending the message
     attempt = Attempt(lease=lease)
     stale = StoreResult(StoreOutcome.STALE, str(lease.token + 1))
-    assert written(attempt, "RETRY", stale).overtaken_by_its_retry
-    assert not written(attempt, "SUCCESS", stale).overtaken_by_its_retry
+    assert overtaken_by_its_retry(written(attempt, "RETRY", stale), lease)
+    assert not overtaken_by_its_retry(written(attempt, "SUCCESS", stale), lease)
     attempt.result_written(store, app, written(attempt, "RETRY", stale))
     assert lease.lost_reason is None

@@ -10,16 +10,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._task.running import set_current_lease
+from celery_fenced._worker import interrupt as interrupts
+from celery_fenced._worker.interrupt import end_of_body, install_interrupt_handler, interrupt, shielded
+from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced.conf import FencedConfig
 from celery_fenced.exceptions import LeaseInterrupted
-from celery_fenced.owner import OwnedLease, set_current_lease
-from celery_fenced.worker import interrupt as interrupts
-from celery_fenced.worker.interrupt import end_of_body, install_interrupt_handler, interrupt, shielded
 
 
 def lost_lease(thread_id: int) -> OwnedLease:
     lease = OwnedLease("t1", "proj.task", "host/1/a", 3, 1, 0, FencedConfig.from_mapping({}).policy)
-    lease.thread_id = thread_id
+    lease.interrupter.thread_id = thread_id
     lease.mark_lost("taken over")
     return lease
 
@@ -60,7 +62,7 @@ class Body(threading.Thread):
 
 @pytest.fixture(autouse=True)
 def threads_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_pool_kind", "threads")
+    monkeypatch.setattr(WORKER_PROCESS, "pool_kind", "threads")
 
 
 def test_a_body_that_swallows_every_exception_is_still_interrupted() -> None:
@@ -95,7 +97,7 @@ def test_a_shield_holds_the_interrupt_until_it_ends(caplog: pytest.LogCaptureFix
     body = Body(writes_under_a_shield)
     lease = body.begin()
     assert inside.wait(5)
-    with caplog.at_level(logging.WARNING, logger=interrupts.__name__):
+    with caplog.at_level(logging.WARNING, logger=interrupts.logger.name):
         interrupt(lease)
     assert "is shielded: interrupted when the block ends" in caplog.text
     assert body.end() == "interrupted: taken over"
@@ -107,9 +109,9 @@ def test_a_shield_nested_in_another_releases_the_interrupt_only_at_the_outer_end
     steps = []
     with pytest.raises(LeaseInterrupted), shielded(lease):
         with shielded(lease):
-            assert lease.interrupt(lambda _: True) == "held"
+            assert lease.interrupter.interrupt(lambda: True) == "held"
         steps.append("inner block ended")
-    assert steps == ["inner block ended"] and lease.shield_depth == 0
+    assert steps == ["inner block ended"] and lease.interrupter.shield_depth == 0
 
 
 def test_an_interrupt_sent_before_the_body_ended_is_withdrawn() -> None:
@@ -123,7 +125,7 @@ def test_an_interrupt_sent_before_the_body_ended_is_withdrawn() -> None:
     body = Body(blocked_in_a_call)
     lease = body.begin()
     interrupt(lease)
-    assert lease.interrupt_sent
+    assert lease.interrupter.sent
     end_of_body(lease)  # what the body's thread does after its last line (here, for it)
     blocked.release()
     assert body.end() == "returned"
@@ -135,16 +137,16 @@ def test_a_thread_that_is_gone_is_not_interrupted(caplog: pytest.LogCaptureFixtu
     ended.start()
     ended.join()
     lease = lost_lease(ended.ident or 0)
-    with caplog.at_level(logging.WARNING, logger=interrupts.__name__):
+    with caplog.at_level(logging.WARNING, logger=interrupts.logger.name):
         interrupt(lease)
-    assert "its thread is gone" in caplog.text and not lease.interrupt_sent
+    assert "its thread is gone" in caplog.text and not lease.interrupter.sent
 
 
 @pytest.fixture
 def prefork(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     previous = signal.getsignal(signal.SIGUSR1)
-    monkeypatch.setattr(interrupts, "_pool_kind", "prefork")
-    monkeypatch.setattr(interrupts, "_handler_installed", False)
+    monkeypatch.setattr(WORKER_PROCESS, "pool_kind", "prefork")
+    monkeypatch.setattr(WORKER_PROCESS, "interrupt_handler_installed", False)
     yield
     signal.signal(signal.SIGUSR1, previous)
 
@@ -166,11 +168,11 @@ def test_prefork_holds_the_signal_during_a_shield(prefork: None) -> None:
     install_interrupt_handler()
     lease = lost_lease(threading.main_thread().ident or 0)
     with pytest.raises(LeaseInterrupted), shielded(lease):
-        lease.shield_depth += 0  # the block: the signal lands here and waits
-        interrupts._interrupting = lease
+        lease.interrupter.shield_depth += 0  # the block: the signal lands here and waits
+        WORKER_PROCESS.interrupting = lease
         signal.raise_signal(signal.SIGUSR1)
-        assert lease.interrupt_pending
-    assert not lease.interrupt_pending
+        assert lease.interrupter.pending
+    assert not lease.interrupter.pending
 
 
 # -- the gevent pool: thrown into the body's greenlet by the hub --------------------------------
@@ -185,7 +187,7 @@ def greenlet_body(run_body: Callable[[OwnedLease], None]) -> tuple[OwnedLease, l
 
     def run() -> None:
         lease = lost_lease(threading.get_ident())
-        lease.runner = gevent.getcurrent()
+        lease.interrupter.runner = gevent.getcurrent()
         leases.append(lease)
         try:
             run_body(lease)
@@ -199,7 +201,7 @@ def greenlet_body(run_body: Callable[[OwnedLease], None]) -> tuple[OwnedLease, l
 
 
 def test_a_greenlet_parked_in_a_wait_is_interrupted_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    monkeypatch.setattr(WORKER_PROCESS, "pool_kind", "gevent")
     import gevent
 
     cleaned_up: list[str] = []
@@ -215,11 +217,11 @@ def test_a_greenlet_parked_in_a_wait_is_interrupted_there(monkeypatch: pytest.Mo
     runner.join(5)  # type: ignore[attr-defined]
     assert outcome == ["interrupted: taken over"]
     assert cleaned_up == ["finally"]
-    assert lease.interrupt_sent is False  # landed
+    assert lease.interrupter.sent is False  # landed
 
 
 def test_a_greenlet_interrupt_withdrawn_before_the_hub_runs_it_never_lands(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    monkeypatch.setattr(WORKER_PROCESS, "pool_kind", "gevent")
     import gevent
 
     def ends_its_body_then_waits_in_celerys_code(lease: OwnedLease) -> None:
@@ -227,14 +229,14 @@ def test_a_greenlet_interrupt_withdrawn_before_the_hub_runs_it_never_lands(monke
 
     lease, outcome, runner = greenlet_body(ends_its_body_then_waits_in_celerys_code)
     interrupt(lease)  # scheduled in the hub, which has not run since
-    assert lease.interrupt_sent
+    assert lease.interrupter.sent
     end_of_body(lease)  # the body ended first (its greenlet resumed before the hub's callback)
     runner.join(5)  # type: ignore[attr-defined]
     assert outcome == ["returned"]
 
 
 def test_a_shielded_greenlet_gets_the_interrupt_when_its_block_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_pool_kind", "gevent")
+    monkeypatch.setattr(WORKER_PROCESS, "pool_kind", "gevent")
     import gevent
 
     reached: list[str] = []

@@ -1,14 +1,25 @@
-"""The heartbeat of a worker process: one per app and process, never inherited through fork."""
+"""The life of an attempt's lease in a worker process: the heartbeat (one per app and process,
+never inherited through fork), and what a delivery run by Celery's own tracer writes through
+the fence its request carries: a retry's due time, a lost owner's late result, a skipped
+delivery."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
+from celery.app.trace import build_tracer
 
-from celery_fenced.worker.lifecycle import heartbeat_for, stop_heartbeats
+from celery_fenced import ProgressLeasedTask
+from celery_fenced._lease.state import StoreResult
+from celery_fenced._task.running import current_lease
+from celery_fenced._worker import hooks
+from celery_fenced._worker.lifecycle import heartbeat_for, stop_heartbeats
+from celery_fenced._worker.runtime import runtime_of
 
 
 @pytest.fixture
@@ -48,3 +59,117 @@ def test_a_forked_child_makes_its_own_heartbeat(app: Celery) -> None:
         os.waitpid(pid, 0)
     assert answer == b"own"
     assert heartbeat_for(app) is parent  # the parent keeps its own
+
+
+# -- deliveries run by Celery's tracer, as a pool process runs them ------------------------------
+
+
+@pytest.fixture
+def traced(fenced_app: Celery) -> Iterator[Celery]:
+    """The unit app, its fenced tasks run by Celery's tracer in this thread (prerun, body,
+    result writes, postrun); the process's heartbeat stopped after the test."""
+    yield fenced_app
+    runtime = runtime_of(fenced_app, create=False)
+    if runtime is not None:
+        runtime.stop()
+
+
+def _run(app: Celery, task: Any, task_id: str) -> Any:
+    """Run one delivery of ``task`` under ``task_id`` as a worker's pool process does."""
+    message = {
+        "id": task_id,
+        "task": task.name,
+        "hostname": "w1@host",
+        "delivery_info": {"exchange": "", "routing_key": "celery", "priority": 0, "redelivered": False},
+        "reply_to": "reply",
+        "correlation_id": task_id,
+        "root_id": task_id,
+        "retries": 0,
+        "is_eager": False,
+    }
+    return build_tracer(task.name, task, app=app, hostname="w1@host")(task_id, [], {}, message)
+
+
+def _writes(task: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, StoreResult]]:
+    """The ``(state, outcome)`` of each write ``task``'s backend sends to Redis from now on."""
+    store = task.backend.lease_store
+    writes: list[tuple[str, StoreResult]] = []
+    store_once = store.store
+
+    def store_and_note(task_id: str, token: int | None, meta: Any, **options: Any) -> StoreResult:
+        outcome: StoreResult = store_once(task_id, token, meta, **options)
+        writes.append((options["state"], outcome))
+        return outcome
+
+    monkeypatch.setattr(store, "store", store_and_note)
+    return writes
+
+
+def _ms_until_due(app: Celery, task_id: str) -> int:
+    store = app.backend.lease_store
+    seconds, micros = app.backend.client.time()
+    due = app.backend.client.hget(store.keys.lease(task_id), "leaseExpireAt")
+    return int(due) - (int(seconds) * 1000 + int(micros) // 1000)
+
+
+def test_the_retry_write_keeps_the_lease_waiting_for_the_retrys_countdown(
+    traced: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @traced.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def later(self: Any) -> None:
+        raise self.retry(countdown=100)
+
+    traced.finalize()
+    task = traced.tasks[later.name]
+    writes = _writes(task, monkeypatch)
+    task_id = str(uuid.uuid4())
+    _run(traced, task, task_id)
+    # retry() moved the lease to RETRYING; the RETRY write after it, with the token, sets its
+    # due time again: from the countdown its fence carries, plus fenced_requeue_timeout (60 s).
+    assert [(state, outcome.code, outcome.detail) for state, outcome in writes] == [("RETRY", "stored", "RETRYING")]
+    assert traced.backend.lease_store.read(task_id).status == "RETRYING"  # type: ignore[union-attr]
+    assert 155_000 < _ms_until_due(traced, task_id) <= 160_000
+
+
+def test_a_lost_owners_late_result_is_stored_once(traced: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    @traced.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def late(self: Any) -> str:
+        lease = current_lease()
+        assert lease is not None
+        lease.mark_lost("expired: no renewal within the lease ttl")  # locally: nobody took over
+        return "late"
+
+    traced.finalize()
+    task = traced.tasks[late.name]
+    writes = _writes(task, monkeypatch)
+    task_id = str(uuid.uuid4())
+    outcome = _run(traced, task, task_id)
+    assert outcome.retval == "late"
+    # Stored through the fence by the attempt itself; the tracer's own write of it is skipped.
+    assert [(state, outcome.code) for state, outcome in writes] == [("SUCCESS", "stored")]
+    assert traced.backend.get_task_meta(task_id)["result"] == "late"
+
+
+def test_a_duplicate_delivery_runs_nothing_and_writes_nothing(traced: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    @traced.task(bind=True, base=ProgressLeasedTask, shared=False, track_started=True)
+    def once(self: Any) -> None:
+        ran.append(self.request.id)
+
+    traced.finalize()
+    task = traced.tasks[once.name]
+    task_id = str(uuid.uuid4())
+    task.push_request(id=task_id, hostname="w0@host", delivery_info={"is_eager": False})
+    try:
+        hooks.on_task_prerun(task, task_id, task.request)  # another delivery owns the task
+        owner = traced.backend.lease_store.read(task_id)
+        assert owner is not None
+        writes = _writes(task, monkeypatch)
+        _run(traced, task, task_id)
+    finally:
+        task.pop_request()
+    assert not ran
+    assert writes == []  # its STARTED included
+    still = traced.backend.lease_store.read(task_id)
+    assert still is not None and (still.status, still.owner_token) == ("RUNNING", owner.owner_token)

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_fenced import events
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._telemetry import events
+from celery_fenced._worker.listener import WorkerListener
 from celery_fenced.conf import FencedConfig
-from celery_fenced.owner import OwnedLease
-from celery_fenced.worker.listener import WorkerListener
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def lease() -> OwnedLease:
 
 def renewed(listener: WorkerListener, owned: OwnedLease) -> None:
     """What the heartbeat does after an accepted renewal."""
-    owned.published_details = owned.report(0.0)[1]
+    owned.watch.renewed_at(owned.renewed, owned.report(0.0)[1])
     listener.renewed([owned])
 
 
@@ -53,6 +53,6 @@ def test_a_takeover_announced_at_acquire_is_not_announced_again_by_its_first_ren
     sent: list[dict[str, Any]],
 ) -> None:
     listener, owned = WorkerListener(Celery("t", set_as_current=False)), lease()
-    owned.announced = True  # what the acquire of a takeover does, with its own event
+    assert owned.announce()  # what the acquire of a takeover does, with its own event
     renewed(listener, owned)
     assert sent == []

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from celery_fenced.reaper import reap
-from celery_fenced.worker.liveness import LivenessRecord
+from celery_fenced._reaper.reaper import reap
+from celery_fenced._worker.liveness import LivenessRecord
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer
 

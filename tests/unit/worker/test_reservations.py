@@ -20,7 +20,7 @@ from kombu.asynchronous import Hub
 from kombu.utils.json import dumps
 
 from celery_fenced import ProgressLeasedTask
-from celery_fenced.worker.reservations import GATHER, LOOK_OVERDUE, ReservationWriter
+from celery_fenced._worker.reservations import GATHER, LOOK_OVERDUE, ReservationWriter
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from celery_fenced._lease.keys import KeySpace
+from celery_fenced._lease.store import LeaseStore
+from celery_fenced._task.owner import EXPIRED_LOCALLY, OwnedLease
+from celery_fenced._worker.heartbeat import Heartbeat
 from celery_fenced.conf import FencedConfig
-from celery_fenced.heartbeat import Heartbeat
-from celery_fenced.keys import KeySpace
-from celery_fenced.owner import EXPIRED_LOCALLY, OwnedLease
-from celery_fenced.store import LeaseStore
 
 OWNER = "host/1/a"
 
@@ -51,17 +51,18 @@ def store(redis_client: redis.Redis) -> LeaseStore:
     return LeaseStore(redis_client, KeySpace.build("fenced", "celery-task-meta-"))
 
 
-def owned(store: LeaseStore, task_id: str) -> OwnedLease:
+def owned(store: LeaseStore, task_id: str, call: dict[str, Any] | None = None, owner_id: str = OWNER) -> OwnedLease:
     policy = FencedConfig.from_mapping({}).policy
     state = store.acquire(task_id, OWNER, ttl_ms=policy.lease_ttl_ms, task_name="proj.task", max_takeovers=3).state
     return OwnedLease(
         task_id=task_id,
         task_name="proj.task",
-        owner_id=OWNER,
+        owner_id=owner_id,
         token=state.owner_token,
         attempt=state.attempt,
         takeovers=state.takeovers,
         policy=policy,
+        call=call,
     )
 
 
@@ -80,7 +81,7 @@ def store_success(store: LeaseStore, lease: OwnedLease) -> None:
 
 
 def test_a_lease_dropped_without_unregister_is_no_longer_served(store: LeaseStore) -> None:
-    kept, dropped = owned(store, "kept"), replace(owned(store, "dropped"), owner_id=OWNER + "-2")
+    kept, dropped = owned(store, "kept"), owned(store, "dropped", owner_id=OWNER + "-2")
     beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60)
     beat.serve(kept)  # served, without starting the thread
     beat.serve(dropped)
@@ -95,14 +96,14 @@ def test_register_starts_the_thread_and_again_after_stop(store: LeaseStore) -> N
     beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60)
     try:
         beat.register(lease)
-        first = beat._thread
+        first = beat._loop.thread
         assert first is not None and first.is_alive()
         beat.register(lease)
-        assert beat._thread is first  # one thread per process
+        assert beat._loop.thread is first  # one thread per process
         beat.stop()
         assert not first.is_alive()
         beat.register(lease)
-        assert beat._thread is not first and beat._thread is not None and beat._thread.is_alive()
+        assert beat._loop.thread is not first and beat._loop.thread is not None and beat._loop.thread.is_alive()
         assert beat.leases() == [lease]
         beat.unregister(lease)
         assert beat.leases() == []
@@ -116,7 +117,9 @@ def test_a_renewal_racing_the_owners_own_result_write_is_not_a_loss(
     listener = RecordingListener()
     lease = owned(store, "t1")
     beat = heartbeat(store, listener, lease)
-    lease.body_done = True  # the body returned; its SUCCESS write lands before the tick's renewal
+    lease.interrupter.finish_body(
+        lambda _: None
+    )  # the body returned; its SUCCESS write lands before the tick's renewal
     store_success(store, lease)
     with caplog.at_level(logging.WARNING, logger="celery_fenced.heartbeat"):
         beat.tick()
@@ -138,8 +141,7 @@ def test_a_lease_ended_by_someone_else_while_the_body_runs_is_lost(store: LeaseS
 
 def test_a_vanished_lease_is_written_back_by_its_live_owner(store: LeaseStore, redis_client: redis.Redis) -> None:
     listener = RecordingListener()
-    lease = owned(store, "t3")
-    lease.call = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "q"}}
+    lease = owned(store, "t3", call={"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "q"}})
     beat = heartbeat(store, listener, lease)
     redis_client.delete(store.keys.lease("t3"))  # evicted, flushed, or lost in a failover
     beat.tick()
@@ -149,20 +151,38 @@ def test_a_vanished_lease_is_written_back_by_its_live_owner(store: LeaseStore, r
     assert state.call == lease.call and "restoredAt" in state.raw  # the reaper can still re-send it
 
 
+def test_a_frozen_owner_does_not_write_back_a_vanished_lease(store: LeaseStore, redis_client: redis.Redis) -> None:
+    listener = RecordingListener()
+    lease = owned(store, "t5")
+    # Its last renewal is a TTL ago (a SIGSTOP, a VM pause): another owner may hold the task,
+    # and that owner's lease may have vanished too.
+    lease.watch.renewed_at(lease.renewed - lease.policy.lease_ttl - 1)
+    lease.body.last_progress = lease.renewed + lease.policy.lease_ttl  # no stall: only the renewal is old
+    beat = heartbeat(store, listener, lease)
+    redis_client.delete(store.keys.lease("t5"))
+    beat.tick()
+    assert store.read("t5") is None
+    assert lease.lost_reason is not None and [task for task, _ in listener.losses] == ["t5"]
+
+
 def test_a_renewal_racing_a_hand_off_does_not_write_the_lease_back(store: LeaseStore) -> None:
     listener = RecordingListener()
     lease = owned(store, "t4")
     beat = heartbeat(store, listener, lease)
-    lease.ended = True  # replace(): the attempt ends its lease, then hands the task id off
+    assert lease.stop_serving() is not None  # replace(): the attempt ends its lease, then hands the task id off
     assert store.hand_off("t4", OWNER, lease.token) == "ok"
     beat._renew([(lease, False)])  # a renewal that was already on its way
-    assert store.read("t4") is None  # the replacement starts afresh
+    state = store.read("t4")
+    assert state is not None and state.status == "HANDED_OFF"  # for the replacement to start afresh
+    assert listener.losses == []
 
 
 # -- on_stall, tick by tick on the heartbeat's own clock -----------------------------------------
 
 
-def stalling(store: LeaseStore, on_stall: str, now: float, **settings: object) -> OwnedLease:
+def stalling(
+    store: LeaseStore, on_stall: str, now: float, call: dict[str, Any] | None = None, **settings: object
+) -> OwnedLease:
     """A lease whose body last made progress at ``now``; its stage allows 5 s, two checks."""
     policy = FencedConfig.from_mapping(
         {"fenced_on_stall": on_stall, "fenced_default_stage_timeout": 5, "fenced_stall_checks": 2, **settings}
@@ -176,8 +196,7 @@ def stalling(store: LeaseStore, on_stall: str, now: float, **settings: object) -
         state.attempt,
         0,
         policy,
-        last_progress=now,
-        renewed=now,
+        call=call,
         started=now,
     )
 
@@ -245,7 +264,7 @@ def test_alert_keeps_renewing_marks_the_lease_stalled_and_reports_once(store: Le
     state = store.read("t1")
     assert state is not None and state.status == "STALLED" and lease.lost_reason is None
     now[0] += 0.1
-    lease.last_progress = now[0]  # progress again: the stall is over
+    lease.body.last_progress = now[0]  # progress again (as progress() leaves it): the stall is over
     beat.tick()
     assert store.read("t1").status == "RUNNING"  # type: ignore[union-attr]
 
@@ -255,7 +274,7 @@ def test_past_max_task_duration_the_listener_is_told_instead_of_a_renewal(store:
     lease = stalling(store, "release", now[0], fenced_max_task_duration=30)
     beat = clocked(store, listener, now, lease)
     now[0] += 30.5
-    lease.last_progress = now[0]
+    lease.body.last_progress = now[0]
     beat.tick()
     assert listener.exceeded == ["t1"] and listener.renewals == []
 
@@ -267,8 +286,7 @@ def test_a_stalled_owner_whose_lease_vanished_writes_it_back_and_gives_it_up(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
     now, listener = [100.0], RecordingListener()
-    lease = stalling(store, "release", now[0])
-    lease.call = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {}}
+    lease = stalling(store, "release", now[0], call={"task": "proj.task", "args": [1], "kwargs": {}, "options": {}})
     beat = clocked(store, listener, now, lease)
     redis_client.delete(store.keys.lease("t1"))  # lost with a failover
     now[0] += 5.5
@@ -289,8 +307,13 @@ def test_a_lease_given_up_while_redis_was_unreachable_is_written_back_once_it_an
     client = redis.Redis(host=address["host"], port=address["port"], socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
     store = LeaseStore(client, KeySpace.build("fenced", "celery-task-meta-"))
     now, listener = [100.0], RecordingListener()
-    lease = stalling(store, "release", now[0], fenced_default_stage_timeout=60)
-    lease.call = {"task": "proj.task", "args": [2], "kwargs": {}, "options": {}}
+    lease = stalling(
+        store,
+        "release",
+        now[0],
+        call={"task": "proj.task", "args": [2], "kwargs": {}, "options": {}},
+        fenced_default_stage_timeout=60,
+    )
     beat = clocked(store, listener, now, lease)
     redis_client.client_pause(1000)  # Redis does not answer for a second
     now[0] += lease.policy.lease_ttl  # no renewal got through within the TTL

@@ -1,6 +1,6 @@
 """What the heartbeat's findings do in a worker: events, signals, reaps, interrupts, failures.
 
-:class:`WorkerListener` is the :class:`~celery_fenced.heartbeat.HeartbeatListener` of a worker
+:class:`WorkerListener` is the :class:`~celery_fenced._worker.heartbeat.HeartbeatListener` of a worker
 process: a lost lease is reported (``task-lease-lost``, ``lease_lost``) and, where
 configured, its body interrupted; a stall is reported; a released lease asks for a reap; an
 attempt past ``fenced_max_task_duration`` gets its FAILURE stored; a new stage is published
@@ -18,18 +18,19 @@ from celery import states as celery_states
 from celery.app.task import Context
 from celery.exceptions import TimeLimitExceeded
 
-from .. import events, tracing
 from .. import signals as fenced_signals
+from .._lease.liveness_store import hostname_of
+from .._reaper.reaper import request_reap
+from .._task.owner import OwnedLease
+from .._telemetry import events, tracing
+from .._telemetry.names import NAME_MEMO_LIMIT
 from ..conf import nearest
-from ..names import NAME_MEMO_LIMIT
-from ..owner import OwnedLease
-from ..reaper import request_reap
 from .attempt import begin
 from .interrupt import interrupt
 
 __all__ = ["WorkerListener"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.listener")
 
 
 class WorkerListener:
@@ -40,7 +41,7 @@ class WorkerListener:
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
         events.send_about(self.app, "task-lease-lost", lease, reason=reason)
-        tracing.lease_lost(lease, reason)
+        tracing.lease_lost(lease.span, reason)
         self._tell_the_body(lease, reason)
 
     @staticmethod
@@ -53,7 +54,7 @@ class WorkerListener:
             interrupt(lease)
 
     def stalled(self, lease: OwnedLease, bound: str, allowed: float, elapsed: float) -> None:
-        tracing.stalled(lease, bound, allowed, elapsed)
+        tracing.stalled(lease.span, lease.stage, bound, allowed, elapsed)
         events.send_about(
             self.app,
             "task-stalled",
@@ -75,7 +76,9 @@ class WorkerListener:
         )
 
     def released(self, lease: OwnedLease) -> None:
-        request_reap(self.app)
+        # The reaper thread of this worker's main process, which no task process can block
+        # (a control message to this worker from a prefork child), whatever the routing.
+        request_reap(self.app, worker=hostname_of(lease.owner_id))
 
     def duration_exceeded(self, lease: OwnedLease) -> None:
         limit = lease.policy.max_task_duration
@@ -122,6 +125,7 @@ class WorkerListener:
                 _log_unknown_stage_once(lease.task_name, lease.stage, table, lease.policy.default_stage_timeout)
 
 
+# Global: an unknown stage is warned about once per process, whatever the app.
 _unknown_stages: set[str] = set()
 
 

@@ -11,10 +11,16 @@ sends again any whose task did not start in time (cause ``unstarted``).
   request. A timer of that loop (or, for a worker without one, a timer thread) looks, every
   :data:`GATHER` seconds while requests arrive, for those no process started within
   :data:`GATHER` seconds, and hands them to a thread of the main process, which writes them
-  with one script call (:meth:`~celery_fenced.store.LeaseStore.reserve_many`). Most tasks,
+  with one script call (:meth:`~celery_fenced._lease.store.LeaseStore.reserve_many`). Most tasks,
   where a process is free, start first: they cost neither a round trip nor a wake-up of that
   thread, and no task process waits on the write.
 * :meth:`ReservationWriter.started` forgets a request a process accepted.
+* A re-sent message received while the task's old owner still holds a process of this worker
+  (a stalled owner whose body did not return) is not kept waiting behind it: if no process
+  started it within :data:`GATHER` seconds, the writing thread sends it on (once per worker,
+  :data:`PASSED_ON_HEADER`), and on a Redis broker the worker takes no message while such an
+  owner holds a process and every process is taken (:meth:`ReservationWriter.holding_back`), so
+  a worker that can start it gets it. The copy left here is a duplicate when it starts.
 * :meth:`ReservationWriter.dropped`, at a reconnect, makes the reservations of the requests
   Celery dropped due now, and wakes the reaper: their re-send waits for neither the start
   timeout nor beat.
@@ -31,21 +37,23 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
-from functools import partial
 from typing import Any
 
 from celery import Celery
+from celery.worker import state as worker_state
 
-from ..calls import PUBLISH_ID_HEADER, recorded_call
-from ..compat import UTC, request_context
+from .._celery.compat import UTC, request_context
+from .._celery.headers import HANDED_OFF_BY_HEADER, PASSED_ON_HEADER, PUBLISH_ID_HEADER
+from .._lease.state import Reservation, ReserveOutcome
+from .._lease.store import LeaseStore, lease_store_of
+from .._reaper.reaper import send_call
+from .._task.calls import recorded_call
 from ..conf import ensure_conf
-from ..state import Reservation, ReserveOutcome
-from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
 
-__all__ = ["GATHER", "LOOK_OVERDUE", "MAX_BATCH", "MAX_HELD", "ReservationWriter"]
+__all__ = ["GATHER", "LOOK_OVERDUE", "MAX_BATCH", "MAX_HELD", "PASS_ON_MARGIN", "ReservationWriter"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.reservations")
 
 #: The most reservations written by one script call.
 MAX_BATCH = 500
@@ -60,6 +68,10 @@ LOOK_OVERDUE = 1.0
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
 MAX_HELD = 100_000
 
+#: Seconds a worker waits, held back, before it passes a message on: its last fetch (a Redis
+#: BRPOP waits up to the transport's ``brpop_timeout``, 1 s by default) is over by then.
+PASS_ON_MARGIN = 0.25
+
 
 class ReservationWriter:
     """Writes the reservations of the fenced tasks this worker receives, in batches.
@@ -67,7 +79,7 @@ class ReservationWriter:
     Args:
         app: the worker's app (its result backend is the fenced one).
         hostname: the worker's node name, recorded as ``reservedBy``.
-        worker_id: this start of the worker (:func:`~celery_fenced.store.worker_id_of`), whose
+        worker_id: this start of the worker (:func:`~celery_fenced._lease.liveness_store.worker_id_of`), whose
             liveness record answers for its reservations (the hostname when not given).
         on_dropped: called after dropped reservations were made due (to wake the reaper).
         hub: the worker's event loop (kombu's ``Hub``), whose timer looks for the requests
@@ -91,7 +103,8 @@ class ReservationWriter:
         self.handed = 0  # batches handed to the writing thread (each wakes it once)
         self.looks = 0  # looks the timer ran
         self._hub = hub
-        self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()  # batches to write
+        # Batches to write, and copies to pass on (request, reservation, the workers that did).
+        self._queue: queue.SimpleQueue[list[Any] | tuple[Any, Reservation, list[str]] | None] = queue.SimpleQueue()
         self._held: dict[str, None] = {}  # reserved here and not started: insertion order
         self._arrived: deque[tuple[float, Any]] = deque()  # (received at, request), oldest first
         self._look_at: float | None = None  # when the scheduled look at them is due (monotonic)
@@ -100,6 +113,11 @@ class ReservationWriter:
         self._failing: str | None = None
         self._written_through: LeaseStore | None = None  # the writing thread's store, once used
         self._takeovers: dict[str, int] = {}
+        self._behind: set[str] = set()  # unstarted copies of tasks whose old owner runs here
+        self._passed_on: dict[str, None] = {}  # tasks passed on while their old owner runs here
+        self.passed_on = 0  # messages passed on
+        transport_options = app.conf.broker_transport_options or {}
+        self._pass_on_after = float(transport_options.get("brpop_timeout", 1)) + PASS_ON_MARGIN
 
     # -- the event loop's side: never waits ---------------------------------------------------
 
@@ -120,6 +138,7 @@ class ReservationWriter:
         """A process accepted the task: its reservation is no longer this worker's to drop."""
         with self._held_lock:
             self._held.pop(task_id, None)
+            self._behind.discard(task_id)
 
     def look(self) -> None:
         """Hand the requests that waited :data:`GATHER` seconds unstarted to the writing thread.
@@ -138,6 +157,11 @@ class ReservationWriter:
                 request = arrived.popleft()[1]
                 if request.id in self._held:
                     due.append(request)
+                    if request.eta is None and _older_copy_runs_here(request):
+                        # Held back from now on (Redis): no fetch of this worker's will take
+                        # the copy it is about to pass on.
+                        self._behind.add(request.id)
+                        self._passed_on[request.id] = None
             again = bool(arrived)
             self._look_at = now + GATHER if again else None
         self._hand(due)
@@ -192,7 +216,7 @@ class ReservationWriter:
             return 0
         try:
             store = self._store()
-            count: int = self.app.backend.retrying(partial(store.lapse_reserved, task_ids, self.hostname))
+            count = store.lapse_reserved(task_ids, self.hostname)
         except Exception as exc:
             logger.warning(
                 "could not make %d dropped reservations due (%r): they are sent again after fenced_start_timeout",
@@ -224,9 +248,7 @@ class ReservationWriter:
             return False
         try:
             store = self._store()
-            outcomes = self.app.backend.retrying(
-                partial(store.reserve_many, [replace(reservation, expires_in_ms=0)], self.hostname, self.worker_id)
-            )
+            outcomes = store.reserve_many([replace(reservation, expires_in_ms=0)], self.hostname, self.worker_id)
         except Exception as exc:
             logger.warning(
                 "task %s[%s]: its process was lost and its reservation could not be made due (%r); "
@@ -250,17 +272,20 @@ class ReservationWriter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            batches = [self._queue.get()]
+            items = [self._queue.get()]
             while True:
                 try:
-                    batches.append(self._queue.get_nowait())
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stopping = any(batch is None for batch in batches)
+            stopping = any(item is None for item in items)
             with self._held_lock:  # a process may have started some meanwhile
-                waiting = [request for batch in batches if batch for request in batch if request.id in self._held]
+                waiting = [r for item in items if isinstance(item, list) for r in item if r.id in self._held]
+                passing = [item for item in items if isinstance(item, tuple) and item[0].id in self._held]
             for start in range(0, len(waiting), MAX_BATCH):
                 self._write(waiting[start : start + MAX_BATCH])
+            for request, reservation, passed_by in passing:
+                self._pass_on(request, reservation, passed_by)
         if self._written_through is not None:
             # The backend of this thread (Celery keeps one per thread) is not used again.
             with contextlib.suppress(Exception):
@@ -268,15 +293,88 @@ class ReservationWriter:
 
     def _write(self, requests: list[Any]) -> None:
         # Built under the guard: a request's context is a cached_property, whose class-wide
-        # lock a fork must not copy while it is held. The round trip is made outside it, so
-        # a Redis outage does not hold up the pool's forks.
+        # lock a fork must not copy while it is held. The round trips are made outside it, so
+        # a Redis or broker outage does not hold up the pool's forks.
+        with self._held_lock:
+            behind = {request.id for request in requests if request.id in self._behind}
+            self._behind -= behind
         with FORK_GUARD:
             reservations = [r for r in (self._reservation(request) for request in requests) if r is not None]
-        if not reservations:
+            passed = {
+                request.id: _passed_on_by(request_context(request)) for request in requests if request.id in behind
+            }
+        outcomes = self._reserve(reservations) if reservations else []
+        if not outcomes:  # not written: whether it is a re-send is unknown, and it stays here
+            with self._held_lock:
+                for task_id in passed:
+                    self._passed_on.pop(task_id, None)
             return
+        # Only a re-sent task (its lease was claimed: now reserved here) is passed on, once by
+        # each worker; a copy of a task whose owner still holds the lease is a duplicate.
+        for reservation, outcome in zip(reservations, outcomes, strict=False):
+            passed_by = passed.get(reservation.task_id)
+            if passed_by is None:
+                continue
+            if outcome != ReserveOutcome.RESERVED or reservation.call is None or self.hostname in passed_by:
+                with self._held_lock:
+                    self._passed_on.pop(reservation.task_id, None)
+                continue
+            # Sent once this worker's last fetch is over (kombu's Redis transport waits up to
+            # brpop_timeout for a message, and keeps one it got while held back): else it
+            # would fetch the copy itself.
+            timer = threading.Timer(
+                self._pass_on_after, self._queue.put, [(_request_of(requests, reservation), reservation, passed_by)]
+            )
+            timer.daemon = True
+            timer.start()
+
+    def _pass_on(self, request: Any, reservation: Reservation, passed_by: list[str]) -> None:
+        """Send a copy of a re-sent message this worker cannot start (its old owner holds a
+        process here), for a worker that can; the copy held here is a duplicate when it starts."""
+        assert reservation.call is not None
+        try:
+            send_call(
+                self.app,
+                reservation.task_id,
+                reservation.call,
+                task_name=reservation.task_name,
+                publish_id=reservation.publish_id,
+                headers={PASSED_ON_HEADER: ",".join([*passed_by, self.hostname])},
+            )
+        except Exception as exc:
+            logger.warning(
+                "task %s[%s] waits behind its stalled owner here, and could not be passed on (%r): it is "
+                "sent again after fenced_start_timeout",
+                reservation.task_name,
+                reservation.task_id,
+                exc,
+            )
+            return
+        self.passed_on += 1
+        logger.warning(
+            "task %s[%s]: its stalled owner still holds a process of this worker: the re-sent message is "
+            "passed on, for a worker that can start it",
+            reservation.task_name,
+            reservation.task_id,
+        )
+
+    def holding_back(self, limit: int) -> bool:
+        """True while this worker should take no message: a task it passed on still has its old
+        owner in a process here, and every process (``limit``) is taken or spoken for."""
+        if not self._passed_on:
+            return False
+        running = {request.id for request in tuple(worker_state.active_requests)}
+        with self._held_lock:
+            for task_id in [task_id for task_id in self._passed_on if task_id not in running]:
+                del self._passed_on[task_id]
+            held = bool(self._passed_on)
+        return held and len(worker_state.reserved_requests) >= limit
+
+    def _reserve(self, reservations: list[Reservation]) -> list[Any]:
+        """Write ``reservations``; their outcomes, in order (none when the write failed)."""
         try:
             store = self._written_through = self._store()
-            self.app.backend.retrying(partial(store.reserve_many, reservations, self.hostname, self.worker_id))
+            outcomes: list[Any] = store.reserve_many(reservations, self.hostname, self.worker_id)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:
@@ -287,9 +385,10 @@ class ReservationWriter:
                     text,
                 )
                 self._failing = text
-            return
+            return []
         self._failing = None
         self.written += len(reservations)
+        return outcomes
 
     def _store(self) -> LeaseStore:
         with FORK_GUARD:  # the backend and its store are cached_properties, built on first use
@@ -319,7 +418,28 @@ class ReservationWriter:
                 call=call,
                 max_takeovers=self._max_takeovers(task),
                 publish_id=str(getattr(context, PUBLISH_ID_HEADER, None) or ""),
+                handed_off_by=str(getattr(context, HANDED_OFF_BY_HEADER, None) or ""),
             )
         except Exception:
             logger.exception("could not reserve task %s", getattr(request, "id", None))
             return None
+
+
+def _older_copy_runs_here(request: Any) -> bool:
+    """An earlier delivery of ``request``'s task runs in a process of this worker: its old
+    owner, whose lease was taken from it, since this copy was sent again."""
+    try:
+        return any(other.id == request.id and other is not request for other in tuple(worker_state.active_requests))
+    except RuntimeError:  # the set changed while it was read: look again at the next message
+        return False
+
+
+def _passed_on_by(context: Any) -> list[str]:
+    """The workers that passed this message on (its :data:`PASSED_ON_HEADER`)."""
+    value = getattr(context, PASSED_ON_HEADER, None)
+    return [name for name in str(value).split(",") if name] if value else []
+
+
+def _request_of(requests: list[Any], reservation: Reservation) -> Any:
+    """The request ``reservation`` was made for."""
+    return next(request for request in requests if request.id == reservation.task_id)

@@ -3,14 +3,15 @@
 * :func:`acquire` takes the lease before the body runs (from ``task_prerun``), so Celery's
   STARTED write already carries the token; a duplicate or finished delivery is marked to be
   skipped.
-* The process's :class:`~celery_fenced.heartbeat.Heartbeat` serves every lease it holds;
-  :class:`~celery_fenced.worker.listener.WorkerListener` turns what it finds into signals,
+* The process's :class:`~celery_fenced._worker.heartbeat.Heartbeat` serves every lease it holds;
+  :class:`~celery_fenced._worker.listener.WorkerListener` turns what it finds into signals,
   events, reaps and interrupts.
-* The body ends it by a result write (see :meth:`~celery_fenced.worker.attempt.Attempt.result_written`),
+* The body ends it by a result write (see :meth:`~celery_fenced._worker.attempt.Attempt.result_written`),
   or hands it to a replacement (:func:`hand_off`) or a retry (:func:`retry_due`).
 * :func:`run_body` runs the body under the lease, and decides what a lost owner's ending is.
 * :func:`release` ends a lease that no result write ended (ignored results, ``Ignore``,
-  ``Reject``, retries with ignored results).
+  ``Reject``, retries with ignored results); a body that never finished leaves its lease
+  LAPSED for a takeover, never DONE (:func:`lapse_unfinished`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NoReturn
 
@@ -28,26 +29,36 @@ from celery import states as celery_states
 from celery.exceptions import Ignore, Reject
 from redis.exceptions import RedisError
 
-from .. import events, tracing
 from .. import signals as fenced_signals
-from ..calls import PUBLISH_ID_HEADER, next_attempt_id, recorded_call
-from ..compat import get_actual_ignore_result
-from ..conf import TaskPolicy, ensure_conf
+from .._backend.fence import WriterFence, fence_of, put_fence
+from .._celery.compat import get_actual_ignore_result
+from .._celery.headers import HANDED_OFF_BY_HEADER, PUBLISH_ID_HEADER
+from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome
+from .._lease.store import lease_store_of
+from .._task.calls import name_callbacks, recorded_call, retry_call
+from .._task.owner import OwnedLease
+from .._task.running import ATTEMPT_ATTRIBUTE, current_lease, set_current_lease
+from .._telemetry import events, tracing
+from ..conf import TaskPolicy, ensure_conf, forget_window
 from ..exceptions import LeaseInterrupted, LeaseLostError, StaleOwnerError
-from ..heartbeat import Heartbeat
-from ..owner import OwnedLease, current_lease, set_current_lease
-from ..running import RunningAttempt
-from ..state import LeaseStatus, ReleaseOutcome
-from ..store import lease_store_of
-from .attempt import Attempt, announce_the_end, attempt_of
+from .attempt import Attempt, attempt_of, report_the_end, skip
+from .heartbeat import Heartbeat
 from .interrupt import body_runner, end_of_body
+from .process import WORKER_PROCESS
+from .request import cancelled_here
 from .runtime import runtime_of, runtimes
 
 __all__ = [
+    "SEND_AGAIN_LIMIT",
+    "SEND_AGAIN_MAX_DELAY",
+    "SENT_AGAIN_HEADER",
     "acquire",
+    "hand_back",
     "hand_off",
     "heartbeat_for",
+    "lapse_unfinished",
     "release",
+    "retry_called",
     "retry_due",
     "run_body",
     "send_again",
@@ -55,9 +66,10 @@ __all__ = [
     "stop_heartbeats",
     "store_late_result",
     "store_rejection",
+    "times_sent_again",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.lifecycle")
 
 # -- the heartbeat of this process -------------------------------------------------------------
 
@@ -76,16 +88,15 @@ def stop_heartbeats() -> None:
             heartbeat.stop()
 
 
-def run_body(
-    task: Any, request: Any, attempt: RunningAttempt, call_body: Callable[..., Any], args: Any, kwargs: Any
-) -> Any:
-    """Run the body of ``task``'s attempt of ``request`` (``ProgressLeasedTask.__call__`` in a worker).
+def run_body(task: Any, request: Any, call_body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run the body of ``task``'s attempt of ``request`` (``ProgressLeasedTask.__call__`` in a
+    worker, for a request whose attempt began).
 
     ``call_body`` is Celery's ``Task.__call__`` (a body that runs without a lease). A lost
     owner stores nothing (its ending is ``Ignore``), unless nobody took over and its late
     result can still land through the fence.
     """
-    assert isinstance(attempt, Attempt)  # the worker side made every attempt of this process
+    attempt: Attempt = getattr(request, ATTEMPT_ATTRIBUTE)  # attempt_of(), inlined: every task's path
     if attempt.error is not None:
         raise attempt.error
     if attempt.skip == "unavailable":
@@ -111,11 +122,17 @@ def run_body(
         # finishes the task.
         raise Ignore() from exc
     except Reject as exc:
-        attempt.reject_requeue = bool(exc.requeue)
+        attempt.rejected(bool(exc.requeue))
         if not exc.requeue and lease.lost_reason is None and not lease.ended:
             store_rejection(task, request, exc)
         raise
     except Exception as exc:
+        if cancelled_here(request.id):
+            # Celery cancelled the request (a cold shutdown) and the pool could not stop the
+            # body: what its cancel raised into the body (solo) is not the task's end.
+            if _stop_serving(task, lease, attempt.heartbeat):
+                lapse_unfinished(task, lease)
+            raise Ignore() from exc
         if isinstance(exc, StaleOwnerError) and lease.lost_reason is None and still_owner(task, lease):
             # One of the body's own fenced writes met a newer token of another task: the
             # task still owns its lease, so this is its error, stored as its FAILURE.
@@ -127,10 +144,14 @@ def run_body(
     if lease.lost_reason is None:
         with contextlib.suppress(LeaseLostError):
             lease.raise_if_lost()  # marks the lease lost when no renewal came within the TTL
-    if lease.lost_reason is None and (request.callbacks or request.chain or request.chord):
-        # Celery sends callbacks and the next chain step *before* it stores the result,
-        # so the store's fence alone cannot stop a zombie's chain: check now.
-        still_owner(task, lease)
+    # Celery sends callbacks and the next chain step *before* it stores the result, so the
+    # store's fence alone cannot stop a zombie's chain: check now. A pause right after the
+    # check still lets a zombie send them late: each is sent as a publish of this run
+    # (tag_publish), under the same id by every owner of it, so a late copy of a fenced one
+    # does not run again.
+    sends = request.callbacks or request.chain or request.chord
+    if lease.lost_reason is None and sends and still_owner(task, lease):
+        name_callbacks(request.callbacks, lease.task_id, lease.publish_id)
     if lease.lost_reason is not None and not store_late_result(task, attempt, request, retval):
         # A stale owner ends as Ignore: nothing stored, nothing sent, and no task-succeeded
         # event that would show the task on the zombie's worker again.
@@ -141,9 +162,13 @@ def run_body(
 def _describe_on_span(task: Any, request: Any, lease: OwnedLease) -> None:
     """Put the attempt on its ``run/<task>`` span (where OpenTelemetry records one), and keep
     the span's context on the lease, for the links of a takeover."""
-    traceparent = tracing.attempt_began(lease, request)
-    if traceparent is None:
+    span = tracing.attempt_began(
+        request, token=lease.token, attempt=lease.attempt, takeovers=lease.takeovers, stage=lease.stage
+    )
+    if span is None:
         return
+    lease.body.traced(span, partial(tracing.stage_changed, span))
+    traceparent = tracing.traceparent_of(span)
     try:
         task.backend.lease_store.keep_trace_context(lease.task_id, lease.token, traceparent)
     except RedisError:
@@ -189,7 +214,9 @@ def store_late_result(task: Any, attempt: Attempt, request: Any, retval: Any) ->
         logger.exception("could not store the late result of task %s", request.id)
         return False
     if attempt.write == "stored":
-        attempt.result_stored = True  # the trace's own write of it is skipped
+        fence = fence_of(request)
+        if fence is not None:
+            put_fence(request, fence.result_written())  # the trace's own write of it is skipped
         return True
     return False
 
@@ -199,16 +226,14 @@ def _stop_serving(task: Any, lease: OwnedLease, heartbeat: Heartbeat | None = No
 
     ``heartbeat`` is the one serving it, when the caller knows it (else it is looked up).
     """
-    if current_lease() is lease:
-        set_current_lease(None)
     if heartbeat is None:
         heartbeat = heartbeat_for(task.app, create=False)
     if heartbeat is not None:
         heartbeat.unregister(lease)
-    if not lease.stop_serving():
+    activity = lease.stop_serving()
+    if activity is None:
         return False
-    lease.count_activity(ended=True)
-    announce_the_end(task.app, lease)
+    report_the_end(task.app, lease, activity)
     return True
 
 
@@ -220,41 +245,109 @@ def _lost_on_end(lease: OwnedLease, code: str, what: str) -> NoReturn:
 def hand_off(task: Any, lease: OwnedLease) -> None:
     """Pass the task id to the replacement ``Task.replace()`` is about to send.
 
-    The lease is deleted, so the replacement (same task id) starts afresh and, if fenced,
-    takes a new, higher token. An owner that lost its lease sends no replacement: it gets
-    :class:`LeaseLostError` (the body ends as ``Ignore``).
+    Fenced like a write: only the current owner hands off. The lease becomes a HANDED_OFF
+    record that only the replacement's message (it names this owner's token:
+    :func:`~celery_fenced._task.calls.mark_replacement`) can start; a later copy of the replaced
+    message does not run. An owner that lost its lease, or whose lease is gone, sends no
+    replacement: it gets :class:`LeaseLostError` (the body ends as ``Ignore``).
     """
     if not _stop_serving(task, lease):
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
     store = task.backend.lease_store
-    code = task.backend.retrying(partial(store.hand_off, lease.task_id, lease.owner_id, lease.token))
-    # MISSING: gone already (or asked twice): pass it on all the same.
-    if code not in (ReleaseOutcome.OK, ReleaseOutcome.MISSING):
+    # The record lives as long as the replacement's result, and at least as long as a copy of
+    # the replaced message can still arrive (the forget window), however short result_expires.
+    keep_ms = task.backend.expires_ms(celery_states.SUCCESS)
+    if keep_ms:
+        keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
+    code = store.hand_off(lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms)
+    if code != ReleaseOutcome.OK:
+        # MISSING too: a lease that vanished may have been taken over and handed off (or
+        # finished) by a newer owner whose record vanished with it.
         _lost_on_end(lease, code, "hand-off to the replacement")
     logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
 
 
-def retry_due(task: Any, lease: OwnedLease, delay: float) -> None:
+def hand_back(task: Any, lease: OwnedLease, error: BaseException) -> None:
+    """The replacement could not be sent: the owner takes its lease back.
+
+    ``Task.replace()`` raises the send's error out of the body: Celery stores it as the task's
+    FAILURE, through the fence, with the owner's token. The hand-off's record would refuse
+    that write (its token handed off) and no replacement would ever start: the task would
+    never end. Taken back, the lease is the owner's again until that write ends it.
+    """
+    store = task.backend.lease_store
+    code = store.hand_back(lease.task_id, lease.owner_id, lease.token, ttl_ms=lease.policy.lease_ttl_ms)
+    if code != ReleaseOutcome.OK:
+        logger.warning(
+            "hand-off of task %s[%s] token=%s not taken back (%s) after its replacement's send failed: %r",
+            task.name,
+            lease.task_id,
+            lease.token,
+            code,
+            error,
+        )
+        return
+    logger.warning(
+        "hand-off of task %s[%s] token=%s taken back: its replacement could not be sent: %r",
+        task.name,
+        lease.task_id,
+        lease.token,
+        error,
+    )
+
+
+def retry_called(
+    task: Any,
+    request: Any,
+    delay: float,
+    max_retries: int | None,
+    args: Any = None,
+    kwargs: Any = None,
+    options: Mapping[str, Any] | None = None,
+) -> None:
+    """``retry()`` was called in the attempt of ``request`` (``ProgressLeasedTask.retry``).
+
+    Its writes carry ``delay`` from now on (the RETRY write's lease waits that long for the
+    message). Where Celery will send the retry message (``max_retries`` allows it), the lease
+    is moved to RETRYING first: :func:`retry_due`.
+    """
+    attempt = attempt_of(request)
+    if attempt is None:
+        return
+    fence = fence_of(request)
+    if fence is not None and not fence.skipped:
+        put_fence(request, fence.retried(delay))
+    lease = attempt.lease
+    if (
+        lease is not None
+        and not request.called_directly
+        and (max_retries is None or request.retries + 1 <= max_retries)
+    ):
+        call = retry_call(lease.call, request.retries + 1, args, kwargs, options or {})
+        retry_due(task, lease, delay, call)
+
+
+def retry_due(task: Any, lease: OwnedLease, delay: float, call: Mapping[str, Any] | None = None) -> None:
     """Move the lease to RETRYING *before* ``retry()`` publishes the retry message.
 
     Celery sends the retry message before it stores RETRY; with a short countdown the
     message can arrive while the lease still says RUNNING and be dropped as a duplicate.
     RETRYING lets it acquire at once; the reaper looks again after its eta plus
-    ``fenced_requeue_timeout``.
+    ``fenced_requeue_timeout``, and then sends ``call``, the retry's own (its arguments and
+    ``retries``), recorded in place of this run's: the run that retried is done.
     """
     if not _stop_serving(task, lease):
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
     due_ms = int((delay + ensure_conf(task.app).requeue_timeout) * 1000)
-    release_once = partial(
-        task.backend.lease_store.release,
+    code = task.backend.lease_store.release(
         lease.task_id,
         lease.owner_id,
         lease.token,
         status=LeaseStatus.RETRYING,
         due_in_ms=due_ms,
         progress=lease.report(time.monotonic())[0],
+        call=call,
     )
-    code = task.backend.retrying(release_once)
     if code != ReleaseOutcome.OK:
         _lost_on_end(lease, code, "retry")
     lease.mark_retrying()
@@ -273,10 +366,45 @@ def store_rejection(task: Any, request: Any, exc: BaseException) -> None:
     task.backend.mark_as_failure(request.id, exc, request=request)
 
 
+#: The message header counting how many times in a row a task was sent again because its
+#: lease could not be acquired (:func:`send_again`).
+SENT_AGAIN_HEADER = "fenced_sent_again"
+
+#: How many times in a row a task is sent again because its lease could not be acquired;
+#: the delivery after that ends as a FAILURE (``LeaseUnavailableError``). With the delays
+#: below, about a minute and a half: a failover, a restart, a Redis that comes back.
+SEND_AGAIN_LIMIT = 12
+
+#: The longest wait before a task is sent again, seconds (1, 2, 4, 8, then this).
+SEND_AGAIN_MAX_DELAY = 10
+
+
+def times_sent_again(request: Any) -> int:
+    """How many times in a row this delivery's task was sent again by :func:`send_again`."""
+    try:
+        return max(0, int(getattr(request, SENT_AGAIN_HEADER, None) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def send_again(task: Any, request: Any) -> None:
-    """Send a delivery whose lease could not be acquired (Redis unreachable) again."""
-    logger.error("could not acquire the lease of task %s[%s]: sending it again", task.name, request.id)
-    task.signature_from_request(request).apply_async(countdown=1)
+    """Send a delivery whose lease could not be acquired (Redis unreachable, or refusing) again,
+    counting the times in its header; once :data:`SEND_AGAIN_LIMIT` is reached the next
+    delivery that cannot acquire ends as a FAILURE instead (``hooks.on_task_prerun``)."""
+    sent = times_sent_again(request)
+    delay = min(2**sent, SEND_AGAIN_MAX_DELAY)
+    logger.error(
+        "could not acquire the lease of task %s[%s]: sending it again in %d s (%d of %d)",
+        task.name,
+        request.id,
+        delay,
+        sent + 1,
+        SEND_AGAIN_LIMIT,
+    )
+    signature = task.signature_from_request(request)
+    headers = dict(signature.options.get("headers") or {})
+    headers[SENT_AGAIN_HEADER] = sent + 1
+    signature.apply_async(countdown=delay, headers=headers)
 
 
 # -- acquire and release ------------------------------------------------------------------------
@@ -298,9 +426,8 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
             lease options cannot work.
     """
     store = lease_store_of(task.app, task.name)
-    backend = task.backend
     policy = _policy(task)
-    owner_id = f"{request.hostname or socket.gethostname()}/{next_attempt_id()}"
+    owner_id = f"{request.hostname or socket.gethostname()}/{WORKER_PROCESS.attempt_ids.next_id()}"
     call = recorded_call(task, request)
     started = time.monotonic()
     acquire_once = partial(
@@ -312,15 +439,16 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         max_takeovers=policy.max_takeovers,
         call=call,
         publish_id=str(getattr(request, PUBLISH_ID_HEADER, None) or ""),
+        handed_off_by=str(getattr(request, HANDED_OFF_BY_HEADER, None) or ""),
     )
     try:
-        result = backend.retrying(acquire_once)
+        result = acquire_once()
     except TypeError:
         logger.warning("the call of task %s is not JSON-serialisable: the reaper cannot re-send it", request.id)
         acquire_once.keywords["call"] = None
-        result = backend.retrying(acquire_once)
+        result = acquire_once()
     if not result.outcome.runs:
-        attempt.skip = result.outcome.value
+        skip(request, attempt, result.outcome.value)
         state = result.state
         logger.info(
             "task %s[%s] not run: %s delivery (lease %s, owner %s, token %s)",
@@ -342,18 +470,19 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         policy=policy,
         call=acquire_once.keywords["call"],
         publish_id=acquire_once.keywords["publish_id"],
-        last_progress=started,
-        renewed=started,
         started=started,
         checkpoint=result.checkpoint,
         runner=body_runner(),
     )
-    attempt.lease = lease
-    set_current_lease(lease)
+    # What its writes carry: fence_for(lease), inlined (every task's path).
+    put_fence(
+        request, WriterFence(lease.task_id, lease.token, owner_id, lease.publish_id, lease.attempt, lease.takeovers)
+    )
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None
+    attempt.hold(lease, heartbeat)
+    set_current_lease(lease)
     heartbeat.register(lease)
-    attempt.heartbeat = heartbeat
     # A takeover is news; a first acquire is every task (Celery already logs it at INFO).
     logger.log(
         logging.INFO if result.previous_status else logging.DEBUG,
@@ -382,36 +511,47 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
 
 
 def release(task: Any, request: Any, state: str | None) -> None:
-    """End a lease that no result write ended."""
+    """End a lease that no result write ended.
+
+    ``state`` is the one Celery's ``task_postrun`` gives: ``None`` when the body never
+    finished (a ``BaseException`` escaped it: a cold shutdown or a revoke stopped it, a hard
+    time limit on the gevent pool, a ``SystemExit`` or ``KeyboardInterrupt``). Such a lease
+    is never DONE: it lapses now, for a takeover (:func:`lapse_unfinished`).
+    """
     attempt = attempt_of(request)
-    if not isinstance(attempt, Attempt) or attempt.lease is None:
+    if attempt is None or attempt.lease is None:
         return
+    if current_lease() is attempt.lease:
+        set_current_lease(None)  # the body's API holds it until here, after a hand-off or retry too
     if not _stop_serving(task, attempt.lease, attempt.heartbeat):
         return
     lease = attempt.lease
+    if state is None:
+        lapse_unfinished(task, lease)
+        return
     conf = ensure_conf(task.app)
     backend = task.backend
     due_ms = 0
     if state == celery_states.RETRY:
         target = LeaseStatus.RETRYING
-        due_ms = int((attempt.retry_delay + conf.requeue_timeout) * 1000)
+        fence = fence_of(request)
+        retry_delay = fence.retry_delay if fence is not None else 0.0
+        due_ms = int((retry_delay + conf.requeue_timeout) * 1000)
     elif state == celery_states.REJECTED and attempt.reject_requeue:
         target = LeaseStatus.REQUEUED
         due_ms = int(conf.requeue_timeout * 1000)
     else:
         target = LeaseStatus.DONE
-    release_once = partial(
-        backend.lease_store.release,
-        lease.task_id,
-        lease.owner_id,
-        lease.token,
-        status=target,
-        due_in_ms=due_ms,
-        keep_ms=backend.expires_ms(celery_states.SUCCESS),
-        progress=lease.report(time.monotonic())[0],
-    )
     try:
-        code = backend.retrying(release_once)
+        code = backend.lease_store.release(
+            lease.task_id,
+            lease.owner_id,
+            lease.token,
+            status=target,
+            due_in_ms=due_ms,
+            keep_ms=backend.expires_ms(celery_states.SUCCESS),
+            progress=lease.report(time.monotonic())[0],
+        )
     except Exception:
         logger.exception("could not end the lease of task %s; it will expire", lease.task_id)
         return
@@ -421,5 +561,30 @@ def release(task: Any, request: Any, state: str | None) -> None:
         lease.task_id,
         lease.token,
         target.value,
+        code,
+    )
+
+
+def lapse_unfinished(task: Any, lease: OwnedLease) -> None:
+    """Give up the lease of a body that never finished: LAPSED now, due for a takeover.
+
+    The task finishes on another worker (or on this one, once the reaper sends it again),
+    from the owner's last checkpoint. A READY state that the worker's main process writes
+    for this attempt next, without a token (a hard time limit's FAILURE, a revoke's
+    REVOKED), is still stored, as Celery stores it, while no newer owner took the task.
+    """
+    try:
+        code = task.backend.lease_store.lapse(
+            lease.task_id, lease.owner_id, lease.token, mode="unfinished", progress=lease.report(time.monotonic())[0]
+        )
+    except Exception:
+        logger.exception("could not give up the lease of task %s; it will expire", lease.task_id)
+        return
+    logger.log(
+        logging.WARNING if code == LapseOutcome.OK else logging.INFO,
+        "lease given up: task %s[%s] token=%s: its body did not finish; LAPSED for a takeover (%s)",
+        task.name,
+        lease.task_id,
+        lease.token,
         code,
     )

@@ -3,21 +3,24 @@ fork handler.
 
 A runtime owns the threads and the per-process state of the worker side: the heartbeat that
 serves every lease of the process, and in the worker's main process the reaper thread and
-the reservation writer. It is kept in the app's weak record (:mod:`celery_fenced.apps`) and
+the reservation writer. It is kept in the app's weak record (:mod:`celery_fenced._celery.apps`) and
 belongs to the process that made it: a forked child (a prefork pool process) starts with
 none, and makes its own at its first acquire.
 
 The fork handler, registered once when this module is imported (that is, only in a process
 that runs a worker):
 
-* before a fork, takes :data:`~celery_fenced.worker.fork_guard.FORK_GUARD`, so the fork waits
+* before a fork, takes :data:`~celery_fenced._worker.fork_guard.FORK_GUARD`, so the fork waits
   for the unit of work a main-process thread is in (see that module);
 * in the parent, releases it;
 * in the child, releases it, forgets the parent's runtimes (their threads do not run in the
-  child) and the parent's unflushed metrics.
+  child), and lets the process's state forget what was the parent's: the worker's
+  (:meth:`~celery_fenced._worker.process.WorkerProcess.after_fork`: the interrupt under way,
+  the locks) and the telemetry's
+  (:meth:`~celery_fenced._telemetry.process.ProcessTelemetry.after_fork`: unflushed metrics).
 
 State that a process that runs no worker also keeps (the scripts' connections, the event
-dispatcher, attempt ids) checks its process id where it is used, and needs no handler.
+dispatcher) checks its process id where it is used, and needs no handler; so do attempt ids.
 """
 
 from __future__ import annotations
@@ -30,22 +33,23 @@ from typing import Any
 
 from celery import Celery
 
-from .. import metrics
-from ..apps import all_records, record_of
+from .._backend.writes import set_hook
+from .._celery.apps import all_records, record_of
+from .._lease.liveness_store import worker_id_of
+from .._telemetry.process import TELEMETRY
 from ..conf import ensure_conf
-from ..heartbeat import Heartbeat
-from ..store import worker_id_of
-from ..writes import set_hook
 from .attempt import after_write
 from .fork_guard import FORK_GUARD
+from .heartbeat import Heartbeat
 from .listener import WorkerListener
 from .liveness import LivenessRecord
+from .process import WORKER_PROCESS
 from .reaper_thread import ReaperThread
 from .reservations import ReservationWriter
 
 __all__ = ["WorkerRuntime", "reservation_writer_of", "runtime_of", "runtimes", "stop_runtimes"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.runtime")
 
 
 class WorkerRuntime:
@@ -96,20 +100,17 @@ class WorkerRuntime:
         )
         self.reservations.start()
 
-    def stop(self) -> None:
-        """Stop the reservation writer, the liveness record, the reaper thread and the heartbeat,
-        and join them."""
+    def stop(self, heartbeat: bool = True) -> None:
+        """Stop the reservation writer, the liveness record, the reaper thread and (unless
+        ``heartbeat`` is false) the heartbeat, and join them."""
         if self.reservations is not None:
             self.reservations.stop()
         if self.liveness is not None:
             self.liveness.stop()
         if self.reaper is not None:
             self.reaper.stop()
-        if self._heartbeat is not None:
+        if heartbeat and self._heartbeat is not None:
             self._heartbeat.stop()
-
-
-_lock = threading.Lock()
 
 
 def runtime_of(app: Celery, create: bool = True) -> WorkerRuntime | None:
@@ -120,7 +121,7 @@ def runtime_of(app: Celery, create: bool = True) -> WorkerRuntime | None:
         return runtime
     if not create:
         return None
-    with _lock:
+    with WORKER_PROCESS.runtimes_lock:
         runtime = record.runtime
         if runtime is None or runtime.pid != os.getpid():
             runtime = record.runtime = WorkerRuntime(app)
@@ -140,10 +141,11 @@ def runtimes() -> list[WorkerRuntime]:
     return [record.runtime for record in all_records() if record.runtime is not None and record.runtime.pid == pid]
 
 
-def stop_runtimes() -> None:
-    """Stop every runtime of this process (its worker shuts down)."""
+def stop_runtimes(heartbeat: bool = True) -> None:
+    """Stop every runtime of this process (its worker shuts down); ``heartbeat``: its
+    heartbeat too."""
     for runtime in runtimes():
-        runtime.stop()
+        runtime.stop(heartbeat=heartbeat)
 
 
 def _after_fork_in_parent() -> None:
@@ -151,12 +153,11 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
     FORK_GUARD.release()
-    _lock = threading.Lock()  # another thread of the parent may have held it
+    WORKER_PROCESS.after_fork()
+    TELEMETRY.after_fork()
     for record in all_records():
         record.runtime = None
-    metrics.buffer.forget()
 
 
 os.register_at_fork(

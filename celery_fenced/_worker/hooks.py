@@ -1,7 +1,8 @@
 """The worker side of Celery's signals and bootsteps: acquire before the body, release after
-it, check the worker at start, run its main-process threads, stop them at shutdown.
+it, check the worker at start (:mod:`~celery_fenced._worker.checks`), run its main-process
+threads, stop them at shutdown.
 
-:func:`celery_fenced.wiring.connect_worker_hooks` connects these when a ``ProgressLeasedTask``
+:func:`celery_fenced._task.wiring.connect_worker_hooks` connects these when a ``ProgressLeasedTask``
 is bound to an app; its receivers load this module only when a fenced task runs in a worker,
 and Celery loads the bootsteps by name when a worker starts. The bootstep refuses what cannot
 work (the eventlet pool, gevent without its monkey patching, another result backend, bad
@@ -21,115 +22,54 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Celery, bootsteps
-from redis.exceptions import RedisError, ResponseError
+from celery import bootsteps
 
-from .. import events
-from ..apps import first_time
-from ..compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH, active_apps, maintain_pool, pool_processes, registered_tasks
-from ..conf import ensure_conf, exit_in_one_line
-from ..exceptions import ConfigurationError
-from ..reaper import REAP_TASK_NAME
-from ..store import is_fenced, lease_store_of
-from . import greenlets
-from .attempt import begin
+from .._celery.compat import hold_back_consumer, maintain_pool, pool_processes
+from .._celery.startup import exit_in_one_line
+from .._lease.store import is_fenced
+from .._reaper.reaper import REAP_COMMAND, REAP_TASK_NAME
+from .._telemetry import events
+from ..exceptions import ConfigurationError, LeaseUnavailableError
+from .attempt import begin, skip
+from .checks import (
+    check_redis_commands,
+    check_worker,
+    denied_redis_commands,
+    lease_redis_reachable,
+    pool_kind_of,
+    warn_if_redis_can_evict,
+)
 from .interrupt import install_interrupt_handler, set_pool_kind
-from .lifecycle import acquire, release
+from .lifecycle import SEND_AGAIN_LIMIT, acquire, release, times_sent_again
 from .runtime import reservation_writer_of, runtime_of, stop_runtimes
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
-    "UNSUPPORTED_POOLS",
     "ChildExitWatch",
     "FencedWorkerStep",
+    "HoldBackBehindStalledOwners",
     "ReconnectWatch",
-    "check_worker",
-    "lease_redis_reachable",
     "on_process_shutdown",
     "on_task_postrun",
     "on_task_prerun",
     "on_task_received",
     "on_worker_process_init",
-    "pool_kind_of",
+    "on_worker_shutdown",
     "quiet_reaper_runs",
-    "warn_if_redis_can_evict",
+    "register_reap_command",
 ]
 
-logger = logging.getLogger(__name__)
-
-#: Pools refused at start, with why.
-UNSUPPORTED_POOLS = {
-    "eventlet": "eventlet is in maintenance mode upstream; use the gevent pool for many concurrent waits",
-}
-
-
-def _is_fenced(task: Any) -> bool:
-    return bool(getattr(task, "fenced_task", False))
-
-
-def _shared_from_fenced_apps(app: Celery, names: list[str]) -> set[str]:
-    """Of ``names``, those that another app of this process, one with the fenced backend, has too.
-
-    ``@app.task`` shares a task with every app of the process by default, so a module with a
-    fenced app and a plain one gives the plain app copies of the fenced tasks: they are the
-    fenced app's, and do not stop the plain app's worker.
-    """
-    shared: set[str] = set()
-    for other in active_apps():
-        if other is app:
-            continue
-        try:
-            if not is_fenced(other):
-                continue
-            shared |= set(names) & set(other.tasks)
-        except Exception:  # an app that cannot be finalized or configured here is not the owner
-            logger.debug("could not look at app %r", other, exc_info=True)
-    return shared
-
-
-def pool_kind_of(pool_cls: Any) -> str:
-    """A short name for a worker pool class: "prefork", "threads", "solo", "gevent", …"""
-    module = getattr(pool_cls, "__module__", None) or str(pool_cls)
-    name = module.rsplit(".", 1)[-1]
-    return {"thread": "threads", "asynpool": "prefork"}.get(name, name)
-
-
-def check_worker(app: Celery, pool_cls: Any) -> None:
-    """Refuse, with one clear message, a worker on which fenced tasks cannot work."""
-    kind = pool_kind_of(pool_cls)
-    if kind in UNSUPPORTED_POOLS:
-        raise ConfigurationError(f"celery-fenced does not support the {kind} pool: {UNSUPPORTED_POOLS[kind]}")
-    if kind == "gevent":
-        if GEVENT_POOL_CANNOT_DISABLE_PREFETCH and app.conf.worker_disable_prefetch:
-            raise ConfigurationError(
-                "worker_disable_prefetch on Celery 5.6's gevent pool takes no message at all (the pool "
-                "reports its running greenlets as its size; Celery 5.7 fixed it): unset it for this "
-                "worker (a gevent worker holds at most one message beyond its running tasks), or "
-                "upgrade Celery"
-            )
-        greenlets.check_patched()
-    if not is_fenced(app):
-        fenced = sorted(name for name, task in registered_tasks(app).items() if _is_fenced(task))
-        shared = _shared_from_fenced_apps(app, fenced)
-        if set(fenced) - shared:
-            lease_store_of(app, "ProgressLeasedTask")  # raises, naming the backend in use
-        if shared:
-            logger.warning(
-                "fenced tasks %s are shared into app %r from an app with the fenced backend; this "
-                "worker's backend is %s, so they fail here if they are sent to it",
-                ", ".join(sorted(shared)),
-                app.main,
-                type(app.backend).__name__,
-            )
-        return
-    conf = ensure_conf(app)
-    for task in app.tasks.values():
-        if _is_fenced(task):
-            conf.policy_for(task)
+logger = logging.getLogger("celery_fenced.worker.hooks")
 
 
 class FencedWorkerStep(bootsteps.StartStopStep):
-    """Checks the worker at start, runs its reaper thread, stops the heartbeat at shutdown."""
+    """Checks the worker at start, runs its reaper thread, stops its threads at shutdown.
+
+    Celery orders a step that requires none as it may (the order changes from one start to
+    the next): this one may stop before the pool, which then still runs bodies, in this
+    process on threads, gevent and solo, until they end in a warm shutdown. Their heartbeat
+    stops only once the worker has stopped (:func:`on_worker_shutdown`), or with the process.
+    """
 
     label = "celery-fenced"
 
@@ -137,9 +77,11 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         with exit_in_one_line():  # one line naming what is wrong, not a traceback ending in it
             check_worker(parent.app, parent.pool_cls)
+            check_redis_commands(parent.app)
         # Set before the pool forks, so prefork children inherit both.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
         quiet_reaper_runs()
+        register_reap_command()
 
     def start(self, parent: Any) -> None:
         set_pool_kind(pool_kind_of(parent.pool_cls))
@@ -153,26 +95,28 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         runtime.start_main_process_threads(parent.hostname, hub=getattr(parent, "hub", None))
 
     def stop(self, parent: Any) -> None:
-        stop_runtimes()
+        stop_runtimes(heartbeat=False)
 
 
-def lease_redis_reachable(app: Celery) -> bool:
-    """Say so, in one line, when the lease Redis cannot be reached at the worker's start.
+def register_reap_command() -> None:
+    """Register the ``celery_fenced.reap`` control command: it wakes the worker's reaper thread.
 
-    The worker still starts (Redis may come back, and the heartbeat and the reaper retry),
-    but its operator reads why fenced tasks cannot run before "ready".
+    A heartbeat that gives a stalled lease up asks for a reap at once; a control message
+    reaches the worker's main process through Celery's pidbox (a broadcast), whatever the
+    user's ``task_routes`` and queues, and never waits in a task queue.
     """
-    backend = app.backend
-    try:
-        backend.client.ping()
-    except Exception as exc:
-        logger.error(
-            "celery-fenced: the lease Redis %s cannot be reached (%s): fenced tasks cannot start until it can",
-            backend.as_uri(),
-            exc,
-        )
-        return False
-    return True
+    from celery.worker.control import control_command
+
+    control_command(name=REAP_COMMAND, visible=False)(_reap_now)
+
+
+def _reap_now(state: Any, **_: Any) -> dict[str, str]:
+    """``celery_fenced.reap`` (control): wake this worker's reaper thread."""
+    runtime = runtime_of(state.consumer.app, create=False)
+    if runtime is None or runtime.reaper is None:
+        return {"error": "no reaper thread in this worker"}
+    runtime.reaper.wake()
+    return {"ok": "reaping"}
 
 
 class _QuietReaperRuns(logging.Filter):
@@ -205,7 +149,7 @@ class ReconnectWatch(bootsteps.StartStopStep):
 
     Celery's consumer restarts its steps when it reconnects, and drops the requests it held
     in its prefetch buffer and eta timer (``Consumer.on_close``): their reservations are made
-    due at once (see :meth:`~celery_fenced.worker.reservations.ReservationWriter.dropped`).
+    due at once (see :meth:`~celery_fenced._worker.reservations.ReservationWriter.dropped`).
     """
 
     label = "celery-fenced reconnect watch"
@@ -221,6 +165,30 @@ class ReconnectWatch(bootsteps.StartStopStep):
         if self.connected_before and writer is not None:
             writer.dropped()
         self.connected_before = True
+
+
+class HoldBackBehindStalledOwners(bootsteps.StartStopStep):
+    """Consumer, Redis broker: take no message while a re-send this worker passed on still has
+    its old owner in a process here and every process is taken.
+
+    Such a worker would only park the next message behind the stalled owner, as it parked the
+    re-send (see :class:`~celery_fenced._worker.reservations.ReservationWriter`); the message is
+    left to a worker that can start it.
+    """
+
+    label = "celery-fenced hold back"
+    # Started after the task consumer (made again at each reconnect) exists.
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, parent: Any) -> None:
+        writer = reservation_writer_of(parent.app)
+        if writer is None:
+            return
+
+        def limit() -> int:
+            return int(getattr(parent.controller, "max_concurrency", None) or parent.pool.num_processes)
+
+        hold_back_consumer(parent, lambda: writer.holding_back(limit()))
 
 
 class ChildExitWatch(bootsteps.StartStopStep):
@@ -255,22 +223,6 @@ def _maintain_if_a_child_exited(pool: Any) -> None:
         logger.debug("child watch failed", exc_info=True)
 
 
-def warn_if_redis_can_evict(app: Celery) -> None:
-    """Warn once per app if the lease Redis may evict keys: an evicted lease is a false takeover."""
-    if not first_time(app, "eviction check"):
-        return
-    try:
-        policy = app.backend.client.config_get("maxmemory-policy").get("maxmemory-policy")
-    except (RedisError, ResponseError, AttributeError):
-        return
-    if policy and policy != "noeviction":
-        logger.warning(
-            "the lease Redis has maxmemory-policy=%s: it may evict leases, and an evicted lease is "
-            "a false takeover. Use maxmemory-policy=noeviction for the result/lease database.",
-            policy,
-        )
-
-
 # -- signal receivers ---------------------------------------------------------------------------
 
 
@@ -291,10 +243,23 @@ def on_task_prerun(task: Any, task_id: Any, request: Any) -> None:
     except ConfigurationError as exc:
         # Not a passing fault: sending it again would loop. The body raises it instead, so
         # the task ends as a FAILURE naming what is wrong.
-        attempt.error = exc
-    except Exception:
-        attempt.skip = "unavailable"
-        logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)
+        attempt.fail_with(exc)
+    except Exception as exc:
+        sent = times_sent_again(request)
+        if sent < SEND_AGAIN_LIMIT:
+            skip(request, attempt, "unavailable")  # the body sends it again (send_again)
+            logger.exception("could not acquire the lease of task %s[%s]", task.name, task_id)
+            return
+        # An error that outlasts every re-send (a Redis that refuses a command): the task
+        # ends as a FAILURE naming it, rather than being sent again without end.
+        denied = denied_redis_commands(task.backend.client)
+        missing = f"; the lease Redis user may not run {', '.join(c for c, _ in denied)}" if denied else ""
+        error = LeaseUnavailableError(
+            f"the lease of task {task_id} could not be acquired on {sent + 1} deliveries in a row "
+            f"(sent again {sent} times); the last error: {type(exc).__name__}: {exc}{missing}"
+        )
+        attempt.fail_with(error)
+        logger.error("could not acquire the lease of task %s[%s] again: %s", task.name, task_id, error)
 
 
 def on_task_postrun(task: Any, state: Any, request: Any) -> None:
@@ -309,4 +274,9 @@ def on_worker_process_init() -> None:
 
 def on_process_shutdown() -> None:
     """A pool process stops: stop its heartbeat."""
+    stop_runtimes()
+
+
+def on_worker_shutdown() -> None:
+    """The worker stopped, its pool included (``worker_shutdown``): stop the heartbeat."""
     stop_runtimes()

@@ -8,14 +8,13 @@ failing until the lease may have expired, the body is told (the lease is marked 
 
 The thread holds only weak references to the leases it serves and loops on
 ``Event.wait(interval)``, so stopping it is immediate. On the gevent pool it is a greenlet of
-the tasks' hub (see :mod:`celery_fenced.worker.greenlets` for why).
+the tasks' hub (see :mod:`celery_fenced._worker.greenlets` for why).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -23,10 +22,11 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from . import metrics
-from .owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
-from .state import LapseOutcome, RenewOutcome, RenewRequest, RestoreOutcome
-from .store import LeaseStore
+from .._lease.state import LapseOutcome, RenewOutcome, RenewRequest, RestoreOutcome
+from .._lease.store import LeaseStore
+from .._task.owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
+from .._telemetry.process import TELEMETRY
+from .loop import TickLoop
 
 __all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener"]
 
@@ -48,7 +48,7 @@ REFUSALS = {
 class HeartbeatListener(Protocol):
     """What the heartbeat tells the rest of the package.
 
-    A worker's listener is :class:`~celery_fenced.worker.listener.WorkerListener`.
+    A worker's listener is :class:`~celery_fenced._worker.listener.WorkerListener`.
     """
 
     def lost(self, lease: OwnedLease, reason: str) -> None:
@@ -92,10 +92,7 @@ class Heartbeat:
         # than the rest of its registration): leases dropped without unregister() are pruned
         # when the leases are read.
         self._leases: dict[str, weakref.ref[OwnedLease]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = TickLoop("celery-fenced-heartbeat", self._step)
         self._store: LeaseStore | None = None
         self._waiting = default_interval  # the wait under way, seconds
         # Leases given up on the local clock while Redis could not be reached, by task id: once
@@ -107,21 +104,12 @@ class Heartbeat:
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="celery-fenced-heartbeat", daemon=True)
-            self._thread.start()
+        self._loop.start()
         logger.debug("heartbeat started")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and join it."""
-        self._stop.set()
-        self._wake.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._loop.stop(timeout)
         logger.debug("heartbeat stopped")
 
     def register(self, lease: OwnedLease) -> None:
@@ -131,10 +119,10 @@ class Heartbeat:
         thread, which then waits the shorter interval: it is renewed in time.
         """
         self.serve(lease)
-        if self._thread is None or self._stop.is_set():  # the thread runs until stop()
+        if self._loop.thread is None or self._loop.stopping:  # the thread runs until stop()
             self.start()
         elif lease.policy.heartbeat_interval < self._waiting:
-            self._wake.set()
+            self._loop.wake()
 
     def serve(self, lease: OwnedLease) -> None:
         """Serve a lease without starting the thread (for a caller that runs :meth:`tick`)."""
@@ -164,16 +152,15 @@ class Heartbeat:
         intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
         return min(intervals, default=self._default_interval)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-                self._waiting = self._interval()
-            except Exception:  # the thread must never die silently
-                logger.exception("heartbeat tick failed; retrying on the next tick")
-                self._waiting = self._default_interval
-            self._wake.wait(self._waiting)
-            self._wake.clear()
+    def _step(self) -> float:
+        """One tick of the thread; the seconds until the next."""
+        try:
+            self.tick()
+            self._waiting = self._interval()
+        except Exception:  # the thread must never die silently
+            logger.exception("heartbeat tick failed; retrying on the next tick")
+            self._waiting = self._default_interval
+        return self._waiting
 
     def tick(self) -> None:
         """One pass over every lease served: check progress, renew or apply ``on_stall``."""
@@ -189,8 +176,11 @@ class Heartbeat:
             if limit is not None and now - lease.started > limit:
                 self._listener.duration_exceeded(lease)
                 continue
-            metrics.buffer.inc("owner_heartbeat_total")
-            lease.count_activity()
+            TELEMETRY.metrics.inc("owner_heartbeat_total")
+            activity = lease.take_activity()
+            if activity is not None:
+                updates, stages, sample_gaps, _ = activity
+                TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps)
             renew, stalled = self._check_progress(lease, now)
             if renew:
                 batch.append((lease, stalled))
@@ -200,20 +190,22 @@ class Heartbeat:
 
     def _flush_metrics(self) -> None:
         with contextlib.suppress(RedisError):
-            metrics.buffer.flush(self._get_store())
+            TELEMETRY.metrics.flush(self._get_store())
 
     def _check_progress(self, lease: OwnedLease, now: float) -> tuple[bool, bool]:
         """Return ``(renew, stalled)`` for one lease, applying ``on_stall`` when due."""
         allowed, elapsed, bound = lease.no_progress_deadline(now)
-        if not lease.progress_checked(elapsed <= allowed):
+        watch = lease.watch
+        failed = watch.progress_checked(elapsed <= allowed)
+        if not failed:
             return True, False
         policy = lease.policy
-        if lease.stall_checks_failed < policy.stall_checks:
+        if failed < policy.stall_checks:
             return True, False
-        if not lease.stalled_reported:
-            metrics.buffer.inc("owner_no_progress_timeout_total")
+        if not watch.stalled_reported:
+            TELEMETRY.metrics.inc("owner_no_progress_timeout_total")
             if bound == "idle timeout":
-                metrics.buffer.inc("owner_stream_idle_timeout_total")
+                TELEMETRY.metrics.inc("owner_stream_idle_timeout_total")
             logger.warning(
                 "lease stalled: task %s[%s] stage=%s token=%s: no progress for %.1fs (%s %.1fs), on_stall=%s",
                 lease.task_name,
@@ -227,17 +219,17 @@ class Heartbeat:
             )
             self._listener.stalled(lease, bound, allowed, elapsed)
         if policy.on_stall == "alert":
-            lease.stall_reported()
+            watch.stall_reported()
             return True, True
         if policy.on_stall == "expire":
-            if not lease.stalled_reported and self._lapse(lease, "expire", bound):
-                lease.stall_reported()
+            if not watch.stalled_reported and self._lapse(lease, "expire", bound):
+                watch.stall_reported()
                 # No renewal comes any more: the owner is told now (event, signal, interrupt),
                 # not only when its local expiry check fires.
                 self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s); left to expire")
             return False, True
         if self._lapse(lease, "release", bound):
-            lease.stall_reported()
+            watch.stall_reported()
             if self._lose(lease, f"stalled: no progress within the {bound} ({allowed:g}s)"):
                 self._listener.released(lease)
         return False, True
@@ -290,7 +282,7 @@ class Heartbeat:
             if code == RenewOutcome.MISSING:
                 restored = self._restore(lease)
                 if restored == RestoreOutcome.RESTORED:
-                    lease.renewed_at(sent)
+                    lease.watch.renewed_at(sent)
                     renewed.append(lease)
                     continue
                 if restored in (RestoreOutcome.FINISHED, RestoreOutcome.STALE_TOKEN):
@@ -298,16 +290,16 @@ class Heartbeat:
                     # answers as a renewal of a DONE lease would.
                     code = RenewOutcome(restored.value)
             if code == RenewOutcome.OK:
-                lease.renewed_at(sent, details)
+                lease.watch.renewed_at(sent, details)
                 renewed.append(lease)
-                metrics.buffer.inc("owner_lease_renew_total")
+                TELEMETRY.metrics.inc("owner_lease_renew_total")
             elif code in (RenewOutcome.FINISHED, RenewOutcome.CANCELLED) and lease.body_done:
                 # The body's own result write ended the lease while this renewal was in
                 # flight: nothing was lost (a cancel that raced the write is reported by
                 # the write, which is then refused).
                 self.unregister(lease)
             else:
-                metrics.buffer.inc("owner_lease_renew_rejected_total")
+                TELEMETRY.metrics.inc("owner_lease_renew_rejected_total")
                 self._lose(lease, f"renewal refused: {REFUSALS.get(code, code)}")
         if renewed:
             self._listener.renewed(renewed)
@@ -319,15 +311,16 @@ class Heartbeat:
         The owner keeps running under its token and the reaper can still re-send the task:
         neither stops in silence. Where another delivery acquired it meanwhile, the next
         renewal is refused as usual. A lease its attempt ended meanwhile (its result write,
-        which leaves the lease in the result; a hand-off to a replacement, which deletes it)
-        is left alone: ``"finished"``.
+        which leaves the lease in the result) is left alone: ``"finished"``. A lease that
+        could have expired (its last renewal a TTL ago or more: a frozen owner) is not written
+        back (``"expired"``): another owner may have been given the task since.
         """
         if lease.ended:
             return RestoreOutcome.FINISHED
         if lease.lost_reason is not None:
             return None
         try:
-            code = _write_back(self._get_store(), lease)
+            code = _write_back(self._get_store(), lease, self._clock())
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
             return None
@@ -349,9 +342,8 @@ class Heartbeat:
         store = self._get_store()
         for task_id, lease in list(self._expired_unseen.items()):
             try:
-                if store.owner_token(task_id) is None and _write_back(store, lease) == RestoreOutcome.RESTORED:
-                    progress, _ = lease.report(self._clock())
-                    store.lapse(task_id, lease.owner_id, lease.token, mode="release", progress=progress)
+                vanished = store.owner_token(task_id) is None
+                if vanished and _write_back(store, lease, self._clock(), lapsed=True) == RestoreOutcome.RESTORED:
                     logger.warning(
                         "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
                         "Redis while this owner could not renew it",
@@ -388,8 +380,10 @@ class Heartbeat:
         return self._store
 
 
-def _write_back(store: LeaseStore, lease: OwnedLease) -> RestoreOutcome:
-    """Write a vanished lease back as its owner holds it (``restore.lua``)."""
+def _write_back(store: LeaseStore, lease: OwnedLease, now: float, *, lapsed: bool = False) -> RestoreOutcome:
+    """Write a vanished lease back as its owner holds it (``restore.lua``), if its last
+    renewal (at ``now`` on the monotonic clock) is less than a TTL ago; with ``lapsed``,
+    given up, for the reaper to re-send, whatever that age."""
     return store.restore(
         lease.task_id,
         lease.owner_id,
@@ -400,5 +394,7 @@ def _write_back(store: LeaseStore, lease: OwnedLease) -> RestoreOutcome:
         attempt=lease.attempt,
         takeovers=lease.takeovers,
         max_takeovers=lease.policy.max_takeovers,
+        renewal_age_ms=int((now - lease.renewed) * 1000),
         stage=lease.stage or "",
+        lapsed=lapsed,
     )

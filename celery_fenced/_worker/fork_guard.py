@@ -4,7 +4,7 @@ The prefork pool forks new children while the reaper and the reservation threads
 fork in the middle of their work would hand the child locks they hold (Python 3.11's
 ``cached_property`` lock, one per class, is one of them), and the child would wait for them
 for good. So each of them holds :data:`FORK_GUARD` while it works, and a fork takes it first
-(the fork handler of :mod:`~celery_fenced.worker.runtime`): it waits for the work under way
+(the fork handler of :mod:`~celery_fenced._worker.runtime`): it waits for the work under way
 to end, and the child starts with none of it half done.
 """
 

@@ -2,7 +2,7 @@
 reservations from a live worker's backlog.
 
 A worker's main process receives messages before any process starts them, and records a
-reservation for each (:mod:`~celery_fenced.worker.reservations`). A killed worker takes those
+reservation for each (:mod:`~celery_fenced._worker.reservations`). A killed worker takes those
 messages with it, and kombu's Redis transport gives them back only after its visibility
 timeout (an hour). A reservation alone cannot tell a dead worker from a live one with a long
 backlog, so it is sent again only after ``fenced_start_timeout``.
@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 
 from celery import Celery
 
+from .._lease.store import LeaseStore, lease_store_of
 from ..conf import ensure_conf
-from ..store import LeaseStore, lease_store_of
 from .fork_guard import FORK_GUARD
+from .loop import TickLoop
 
 __all__ = ["LivenessRecord"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.liveness")
 
 
 class LivenessRecord:
@@ -38,7 +38,7 @@ class LivenessRecord:
 
     Args:
         app: the worker's app (its result backend is the fenced one).
-        worker_id: this start of the worker (:func:`~celery_fenced.store.worker_id_of`), as its
+        worker_id: this start of the worker (:func:`~celery_fenced._lease.liveness_store.worker_id_of`), as its
             reservations are recorded under it.
     """
 
@@ -49,34 +49,31 @@ class LivenessRecord:
         self.interval = policy.heartbeat_interval
         self.ttl_ms = policy.lease_ttl_ms
         self.renewals = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._failing: str | None = None
+        self._loop = TickLoop(
+            "celery-fenced-liveness", self._step, first_wait=lambda: self.interval, at_exit=self._disconnect
+        )
 
     def start(self) -> None:
         """Write the record now, then renew it in a thread (idempotent)."""
-        if self._thread is not None and self._thread.is_alive():
+        thread = self._loop.thread
+        if thread is not None and thread.is_alive():
             return
-        self._stop.clear()
         self.renew()
-        self._thread = threading.Thread(target=self._run, name="celery-fenced-liveness", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop renewing, join the thread and remove the record (a warm shutdown)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._loop.stop(timeout)
         try:
-            self._store().worker_left(self.worker_id)
+            self._store().liveness.worker_left(self.worker_id)
         except Exception as exc:
             logger.warning("could not remove the liveness record of %s (%r): it lapses by itself", self.worker_id, exc)
 
     def renew(self) -> None:
         """Renew the record once; an error is logged once while it lasts."""
         try:
-            self._store().worker_alive(self.worker_id, self.ttl_ms)
+            self._store().liveness.worker_alive(self.worker_id, self.ttl_ms)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:
@@ -88,9 +85,11 @@ class LivenessRecord:
             logger.warning("this worker's liveness record is renewed again")
             self._failing = None
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.renew()
+    def _step(self) -> float:
+        self.renew()
+        return self.interval
+
+    def _disconnect(self) -> None:
         # The backend of this thread (Celery keeps one per thread) is not used again.
         with contextlib.suppress(Exception):
             self._store().client.connection_pool.disconnect()

@@ -12,8 +12,8 @@ delivered two ways, by the pool that runs this process:
 * the gevent pool throws it into the task's greenlet from the hub, at the wait the greenlet
   is blocked in (a socket read with no timeout included): see :mod:`.greenlets`.
 
-Whether to deliver is the lease's to decide, under its lock
-(:meth:`~celery_fenced.owner.OwnedLease.interrupt`): a body that finished is left alone, a
+Whether to deliver is the lease's interrupter's to decide, under its lock
+(:meth:`~celery_fenced._task.interrupter.Interrupter.interrupt`): a body that finished is left alone, a
 shielded one gets the interrupt when its shield ends, and an asynchronous exception sent but
 not yet raised is withdrawn when the body ends or enters a shield, so it never lands in
 Celery's code after the body, nor inside a shielded block.
@@ -28,11 +28,15 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
+from .._task.interrupter import Interrupter
+from .._task.owner import OwnedLease
+from .._task.running import thread_state
 from ..exceptions import LeaseInterrupted
-from ..owner import OwnedLease, thread_state
 from . import greenlets
+from .process import WORKER_PROCESS
 
 __all__ = [
     "body_runner",
@@ -44,30 +48,25 @@ __all__ = [
     "shielded",
 ]
 
-logger = logging.getLogger(__name__)
-
-# The pool of this process: "prefork" in a prefork child, else what the worker's bootstep
-# saw ("threads", "solo", ...). None outside a worker.
-_pool_kind: str | None = None
+logger = logging.getLogger("celery_fenced.worker.interrupt")
 
 
 def set_pool_kind(kind: str, *, only_if_unset: bool = False) -> None:
     """Record which pool runs this process's tasks (it decides how a body is interrupted)."""
-    global _pool_kind
-    if only_if_unset and _pool_kind is not None:
+    if only_if_unset and WORKER_PROCESS.pool_kind is not None:
         return
-    _pool_kind = kind
+    WORKER_PROCESS.pool_kind = kind
 
 
 def pool_kind() -> str | None:
     """The pool recorded for this process (``None`` outside a worker)."""
-    return _pool_kind
+    return WORKER_PROCESS.pool_kind
 
 
 def body_runner() -> Any:
     """What runs the body calling this, for :func:`interrupt`: its greenlet on the gevent pool,
     else ``None`` (its thread is the lease's ``thread_id``)."""
-    return greenlets.current() if _pool_kind == "gevent" else None
+    return greenlets.current() if WORKER_PROCESS.pool_kind == "gevent" else None
 
 
 class _AsyncLeaseInterrupted(LeaseInterrupted):
@@ -86,30 +85,28 @@ def _interrupted(lease: OwnedLease) -> LeaseInterrupted:
     return LeaseInterrupted(lease.task_id, lease.token, lease.lost_reason or "lease lost")
 
 
-# The lease whose body the SIGUSR1 under way interrupts (prefork children only).
-_interrupting: OwnedLease | None = None
-_handler_installed = False
-
-
 def install_interrupt_handler() -> None:
     """Prefork child, main thread: let SIGUSR1 raise the interrupt that :func:`interrupt` sent.
 
     Installed at the first acquire, after billiard installed its own handler (idempotent).
     """
-    global _handler_installed
-    if _handler_installed or _pool_kind != "prefork" or threading.current_thread() is not threading.main_thread():
+    process = WORKER_PROCESS
+    if (
+        process.interrupt_handler_installed
+        or process.pool_kind != "prefork"
+        or threading.current_thread() is not threading.main_thread()
+    ):
         return
-    _handler_installed = True
+    process.interrupt_handler_installed = True
     previous = signal.getsignal(signal.SIGUSR1)
 
     def on_sigusr1(signum: int, frame: Any) -> Any:
-        global _interrupting
-        lease, _interrupting = _interrupting, None
+        lease, process.interrupting = process.interrupting, None
         if lease is None:
             if callable(previous):
                 return previous(signum, frame)
             return None
-        if lease.signal_landed():
+        if lease.interrupter.signal_landed():
             raise _interrupted(lease)
         return None
 
@@ -121,34 +118,34 @@ def _set_async_exc(thread_id: int, exc: Any) -> int:
     return modified
 
 
-def _withdraw(lease: OwnedLease) -> None:
-    """Withdraw an asynchronous interrupt sent to the lease's thread and not yet raised.
+def _withdraw(interrupter: Interrupter) -> None:
+    """Withdraw an asynchronous interrupt sent to the body's thread and not yet raised.
 
-    A greenlet's needs nothing here: it asks the lease when it lands (``interrupt_sent``,
-    which the caller has just cleared)."""
-    if lease.runner is None:
-        _set_async_exc(lease.thread_id, None)
+    A greenlet's needs nothing here: it asks the interrupter when it lands (``sent``, which
+    the caller has just cleared)."""
+    if interrupter.runner is None:
+        _set_async_exc(interrupter.thread_id, None)
 
 
 def _deliver(lease: OwnedLease) -> bool:
-    """Send the interrupt (the lease's lock is held); True for an asynchronous exception."""
-    global _interrupting
-    if _pool_kind == "prefork" and lease.thread_id == threading.main_thread().ident:
+    """Send the interrupt (the interrupter's lock is held); True for an asynchronous exception."""
+    target = lease.interrupter
+    if WORKER_PROCESS.pool_kind == "prefork" and target.thread_id == threading.main_thread().ident:
         logger.warning("interrupting task %s[%s] (SIGUSR1)", lease.task_name, lease.task_id)
-        _interrupting = lease
+        WORKER_PROCESS.interrupting = lease
         os.kill(os.getpid(), signal.SIGUSR1)
         return False
-    if lease.runner is not None:
+    if target.runner is not None:
         logger.warning("interrupting task %s[%s] (thrown into its greenlet)", lease.task_name, lease.task_id)
-        return greenlets.throw_later(lease, lease.runner, _interrupted(lease))
+        return greenlets.throw_later(lease, target.runner, _interrupted(lease))
     logger.warning("interrupting task %s[%s] (async exception)", lease.task_name, lease.task_id)
-    modified = _set_async_exc(lease.thread_id, ctypes.py_object(_AsyncLeaseInterrupted))
+    modified = _set_async_exc(target.thread_id, ctypes.py_object(_AsyncLeaseInterrupted))
     if modified == 1:
         return True
     if modified == 0:
         logger.warning("task %s[%s]: its thread is gone, nothing to interrupt", lease.task_name, lease.task_id)
     else:  # CPython's documented rule: more than one thread state changed, undo them all
-        _set_async_exc(lease.thread_id, None)
+        _set_async_exc(target.thread_id, None)
         logger.error(
             "task %s[%s]: the interrupt matched %d threads; withdrawn", lease.task_name, lease.task_id, modified
         )
@@ -157,13 +154,13 @@ def _deliver(lease: OwnedLease) -> bool:
 
 def interrupt(lease: OwnedLease) -> None:
     """Stop the body of a lease that was lost, unless it finished; wait for a shielded block."""
-    if lease.interrupt(_deliver) == "held":
+    if lease.interrupter.interrupt(partial(_deliver, lease)) == "held":
         logger.warning("task %s[%s] is shielded: interrupted when the block ends", lease.task_name, lease.task_id)
 
 
 def end_of_body(lease: OwnedLease) -> None:
     """The body returned or raised: no interrupt may land from now on (its thread calls this)."""
-    lease.finish_body(_withdraw)
+    lease.interrupter.finish_body(_withdraw)
 
 
 @contextlib.contextmanager
@@ -173,9 +170,9 @@ def shielded(lease: OwnedLease) -> Iterator[None]:
     The lease may still be lost meanwhile: ``progress()`` inside raises ``LeaseLostError``
     as anywhere, and the result of a lost owner is still refused.
     """
-    lease.enter_shield(_withdraw)
+    lease.interrupter.enter_shield(_withdraw)
     try:
         yield
     finally:
-        if lease.leave_shield():
+        if lease.interrupter.leave_shield():
             raise _interrupted(lease)

@@ -16,7 +16,7 @@ reasons:
 
 The interrupt is thrown from the hub (``loop.run_callback``), which runs only while the task's
 greenlet is parked: it lands at the greenlet's wait. The callback asks the lease first
-(:meth:`~celery_fenced.owner.OwnedLease.landing`): an interrupt withdrawn because the body
+(:meth:`~celery_fenced._task.interrupter.Interrupter.landing`): an interrupt withdrawn because the body
 ended or entered a shield meanwhile is not thrown, so it never lands in Celery's code after
 the body. Only this module imports gevent, and only on the gevent pool.
 """
@@ -26,12 +26,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .._task.owner import OwnedLease
+from .._task.running import thread_state
 from ..exceptions import ConfigurationError
-from ..owner import OwnedLease, thread_state
 
 __all__ = ["PATCHED_MODULES", "check_patched", "current", "throw_later"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.worker.greenlets")
 
 #: What the worker needs gevent to have patched: the waits a task can block in, and threads.
 PATCHED_MODULES = ("socket", "select", "threading", "time")
@@ -66,7 +67,7 @@ def current() -> Any:
 def throw_later(lease: OwnedLease, runner: Any, exc: BaseException) -> bool:
     """Have the hub throw ``exc`` into ``runner`` at its wait; True: it is sent, not landed.
 
-    Called under the lease's lock (so the hub runs the callback after it is released).
+    Called under the interrupter's lock (so the hub runs the callback after it is released).
     """
     if runner.dead:
         logger.warning("task %s[%s]: its greenlet is gone, nothing to interrupt", lease.task_name, lease.task_id)
@@ -79,8 +80,8 @@ def _land(lease: OwnedLease, runner: Any, exc: BaseException) -> None:
     """In the hub: the task's greenlet is parked, so the exception is raised at its wait."""
     if runner.dead:
         return
-    due = lease.landing()
-    if due is None:  # a parked greenlet holds the lease's lock: the next turn of the loop
+    due = lease.interrupter.landing()
+    if due is None:  # a parked greenlet holds the interrupter's lock: the next turn of the loop
         _schedule(lease, runner, exc)
         return
     if not due:

@@ -15,21 +15,25 @@ Several workers, and beat's message too, may reap at once: each lease is claimed
 atomic script, so only one of them re-sends a task. A re-sent task still needs a process:
 a lost lease frees its slot when the body is interrupted (``fenced_interrupt_on_loss``).
 
-A pass holds :data:`~celery_fenced.worker.fork_guard.FORK_GUARD` throughout, so a fork of the
-prefork pool waits for it to end.
+A pass builds what it uses (the lease store, the broker's producer pool: cached properties,
+whose locks a fork must not copy while they are held) under
+:data:`~celery_fenced._worker.fork_guard.FORK_GUARD`, and makes its Redis and broker round
+trips outside it: a slow broker or a Redis outage never holds up the pool's forks, and so
+never a new process that would free a slot.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
 
 from celery import Celery
 
+from .._lease.store import lease_store_of
+from .._reaper.reaper import reap
 from ..conf import ensure_conf
-from ..reaper import reap
 from .fork_guard import FORK_GUARD
+from .loop import TickLoop
 
 __all__ = ["ReaperThread"]
 
@@ -47,48 +51,33 @@ class ReaperThread:
         self.app = app
         self.interval = ensure_conf(app).reaper_interval
         self.passes = 0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
         self._failing: str | None = None  # the error last logged, so an outage logs once
+        # A random first wait: workers started together do not all reap at the same instant.
+        self._loop = TickLoop("celery-fenced-reaper", self._step, first_wait=lambda: random.uniform(0, self.interval))
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-fenced-reaper", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and join it."""
-        self._stop.set()
-        self._wake.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._loop.stop(timeout)
 
-    def _run(self) -> None:
-        # A random first wait: workers started together do not all reap at the same instant.
-        wait = random.uniform(0, self.interval)
-        while not self._stop.is_set():
-            self._wake.wait(wait)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            self.run_once()
-            wait = self.interval
+    def _step(self) -> float:
+        self.run_once()
+        return self.interval
 
     def wake(self) -> None:
         """Run a pass now, not at the end of the wait under way."""
-        self._wake.set()
+        self._loop.wake()
 
     def run_once(self) -> None:
         """One pass; an error is logged once while it lasts, and the thread goes on."""
         self.passes += 1
         try:
             with FORK_GUARD:
-                reap(self.app)
+                self._build()
+            reap(self.app)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:
@@ -98,3 +87,10 @@ class ReaperThread:
         if self._failing is not None:
             logger.warning("reaper passes work again")
             self._failing = None
+
+    def _build(self) -> None:
+        """What the pass uses and builds on first use (cached properties): built under the guard."""
+        app = self.app
+        lease_store_of(app, "the worker's reaper")
+        app.amqp  # noqa: B018 (built on first use)
+        app.producer_pool  # noqa: B018 (built on first use)

@@ -3,7 +3,7 @@
 A stage's deadline (``fenced_stage_timeouts``) bounds the longest time between two progress
 calls while the stage is current, not the time spent in the stage. Each visit of a stage
 gives one sample, its longest gap, counted in a fine histogram per stage (buckets 2 % wide,
-see :func:`~celery_fenced.metrics.gap_bucket`). A suggestion is
+see :func:`~celery_fenced._telemetry.metrics.gap_bucket`). A suggestion is
 ``max(floor, quantile × factor)`` of those samples, said with how many samples it rests on;
 a stage whose old owner finished soon after a takeover (a false takeover) is never cut.
 """
@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .metrics import gap_bucket_middle
+from .._telemetry.metrics import gap_bucket_middle
 
 __all__ = ["StageSuggestion", "quantile", "suggest"]
 

@@ -2,7 +2,7 @@
 
 Suggestions are checked against distributions whose quantiles are known exactly, through
 the real path: the metrics buffer, the gap script on a real Redis, and
-:func:`~celery_fenced.metrics.read_gaps`.
+:func:`~celery_fenced._telemetry.metrics.read_gaps`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import statistics
 import pytest
 import redis
 
-from celery_fenced import metrics
+from celery_fenced._lease.keys import KeySpace
+from celery_fenced._lease.store import LeaseStore
+from celery_fenced._operator.tuning import quantile, suggest
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._telemetry import metrics
+from celery_fenced._telemetry.metrics import MetricsBuffer, gap_bucket, read_gaps
+from celery_fenced._telemetry.process import TELEMETRY
+from celery_fenced._worker.attempt import report_the_end
 from celery_fenced.conf import FencedConfig
-from celery_fenced.keys import KeySpace
-from celery_fenced.metrics import MetricsBuffer, gap_bucket, read_gaps
-from celery_fenced.owner import OwnedLease
-from celery_fenced.store import LeaseStore
-from celery_fenced.tuning import quantile, suggest
 
 FLOOR, FACTOR = 0.1, 3.0
 
@@ -77,11 +79,11 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr("celery_fenced.owner._monotonic", lambda: clock[0])
+    monkeypatch.setattr("celery_fenced._task.owner._monotonic", lambda: clock[0])
     buffer = MetricsBuffer()
-    monkeypatch.setattr(metrics, "buffer", buffer)
+    monkeypatch.setattr(TELEMETRY, "metrics", buffer)
     policy = FencedConfig.from_mapping({}).policy
-    lease = OwnedLease("t1", "proj.task", "host/1/a", 1, 1, 0, policy, last_progress=100.0, stage_started=100.0)
+    lease = OwnedLease("t1", "proj.task", "host/1/a", 1, 1, 0, policy, started=100.0)
     lease.progress("load-data")
     for gap in (1.0, 4.0, 2.0, 1.0):  # 8 s in the stage, at most 4 s without progress
         clock[0] += gap
@@ -89,7 +91,9 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
     clock[0] += 0.5
     lease.progress("call-ai")
     clock[0] += 3.0  # the last stage's final gap, up to the end of the attempt
-    lease.count_activity(ended=True)
+    activity = lease.stop_serving()
+    assert activity is not None
+    report_the_end(None, lease, activity)
     gaps = buffer.take_gaps()
     assert gaps == {"load-data": {gap_bucket(4.0): 1}, "call-ai": {gap_bucket(3.0): 1}}
     deltas = buffer.take()
@@ -98,12 +102,14 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
 
 def test_a_lost_owner_gives_no_sample_of_its_stall(monkeypatch: pytest.MonkeyPatch) -> None:
     buffer = MetricsBuffer()
-    monkeypatch.setattr(metrics, "buffer", buffer)
+    monkeypatch.setattr(TELEMETRY, "metrics", buffer)
     policy = FencedConfig.from_mapping({}).policy
     lease = OwnedLease("t1", "proj.task", "host/1/a", 1, 1, 0, policy)
     lease.progress("load-data")
     lease.mark_lost("taken over")
-    lease.count_activity(ended=True)
+    activity = lease.end()  # its late result landed: a lost owner's end
+    assert activity is not None and activity[2] is False  # not a sample of what the stage needs
+    report_the_end(None, lease, activity)
     assert buffer.take_gaps() == {}
 
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from celery import Celery
 from click.testing import CliRunner, Result
 
 from celery_fenced import reap
-from celery_fenced.cli import fenced
+from celery_fenced._lease.state import LeaseStatus, Reservation
+from celery_fenced._operator.cli import fenced
+from celery_fenced._telemetry.metrics import gap_bucket
 from celery_fenced.harness import wait_until
-from celery_fenced.metrics import gap_bucket
-from celery_fenced.state import LeaseStatus, Reservation
 
 CALL = {"task": "proj.report", "args": [7], "kwargs": {}, "options": {}}
 
@@ -64,6 +66,23 @@ def test_cancel_says_what_happened_to_each_id_and_fails_for_an_unknown_one(fence
     assert run(fenced_app, "cancel", "--force", "queued").output.strip() == "queued: cancelled"
 
 
+def test_cancel_and_redrive_say_each_action_once(fenced_app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    """One line per action, on stdout: the package logs nothing at WARNING for it (with no
+    logging set up, as in ``celery fenced``, Python prints such a record on stderr: a second
+    line for the same action)."""
+    running(fenced_app, "c2")
+    owner = running(fenced_app, "r2", max_takeovers=0)
+    fenced_app.backend.lease_store.lapse("r2", "host/1/a", owner.owner_token, mode="release")
+    reap(fenced_app)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="celery_fenced"):
+        cancelled = run(fenced_app, "cancel", "c2")
+        redriven = run(fenced_app, "redrive", "r2")
+    assert (cancelled.exit_code, cancelled.output) == (0, "c2: cancelled\n")
+    assert (redriven.exit_code, redriven.output) == (0, "r2: redriven\n")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_redrive_needs_ids_or_all_abandoned(fenced_app: Celery) -> None:
     assert run(fenced_app, "redrive").exit_code == 2
     assert run(fenced_app, "redrive", "--all-abandoned").output.strip() == "no abandoned task"
@@ -95,8 +114,8 @@ def test_without_an_app_or_with_another_backend_it_says_so_in_one_line() -> None
 def test_tune_suggests_only_what_it_has_samples_for_and_keeps_every_other_deadline(fenced_app: Celery) -> None:
     fenced_app.conf.fenced_stage_timeouts = {"load-data": 5, "persist": 30, "call-ai": 20}
     store = fenced_app.backend.lease_store
-    store.add_gaps({f"load-data|{gap_bucket(0.5)}": 40, f"call-ai|{gap_bucket(1.0)}": 2}, max_fields=1000)
-    store.add_metrics({"owner_false_takeover_total|stage=call-ai": 1}, max_fields=1000)
+    store.metrics.add_gaps({f"load-data|{gap_bucket(0.5)}": 40, f"call-ai|{gap_bucket(1.0)}": 2}, max_fields=1000)
+    store.metrics.add_metrics({"owner_false_takeover_total|stage=call-ai": 1}, max_fields=1000)
     tuned = run(fenced_app, "tune", "--floor", "0.1", "--factor", "2")
     assert tuned.exit_code == 0, tuned.output
     rows = {line.split()[0]: line.split() for line in tuned.stdout.splitlines()[1:] if line[:1].isalpha()}
@@ -108,7 +127,7 @@ def test_tune_suggests_only_what_it_has_samples_for_and_keeps_every_other_deadli
 
 
 def test_tune_with_too_few_samples_prints_no_table(fenced_app: Celery) -> None:
-    fenced_app.backend.lease_store.add_gaps({f"load-data|{gap_bucket(0.5)}": 3}, max_fields=1000)
+    fenced_app.backend.lease_store.metrics.add_gaps({f"load-data|{gap_bucket(0.5)}": 3}, max_fields=1000)
     tuned = run(fenced_app, "tune")
     assert "fenced_stage_timeouts" not in tuned.stdout.replace("keep your fenced_stage_timeouts", "")
     assert tuned.stdout.strip().splitlines()[-1].startswith("no suggestion: no stage has enough samples yet")
@@ -130,12 +149,27 @@ def test_help_is_plain_text() -> None:
     assert "--state" in shown and "``" not in shown
 
 
-def test_a_backend_url_celery_cannot_read_is_one_line() -> None:
+def test_a_url_with_two_database_numbers_says_what_to_write_instead() -> None:
+    """``REDIS_URL`` with a database number, given another one, as the README's program does."""
     app = Celery("bad", set_as_current=False, backend="fenced+redis://:secret@127.0.0.1:6391/0/1")
     failed = run(app, "status")
     assert failed.exit_code == 1 and "Traceback" not in failed.output
     [line] = failed.output.splitlines()
-    assert line.startswith("Error: result_backend fenced+redis://:**@127.0.0.1:6391/0/1 cannot be used: ")
+    assert line == (
+        "Error: result_backend fenced+redis://:**@127.0.0.1:6391/0/1 names the database as '/0/1': a Redis URL "
+        "ends in one database number, as in fenced+redis://:**@127.0.0.1:6391/1 (a server URL that already "
+        "ends in a database number must not be given another)"
+    )
+    assert "secret" not in line
+
+
+@pytest.mark.parametrize("port", ["99999", "63x9"])
+def test_a_url_with_a_bad_port_is_one_line_naming_it(port: str) -> None:
+    app = Celery("bad", set_as_current=False, backend=f"fenced+redis://:secret@127.0.0.1:{port}/1")
+    failed = run(app, "status")
+    assert failed.exit_code == 1 and "Traceback" not in failed.output
+    [line] = failed.output.splitlines()
+    assert line.startswith(f"Error: result_backend fenced+redis://:**@127.0.0.1:{port}/1 has no valid port: ")
     assert "secret" not in line
 
 
@@ -150,11 +184,11 @@ def test_an_unreachable_lease_redis_is_one_line() -> None:
 
 def test_status_lists_the_workers_liveness_records(fenced_app: Celery) -> None:
     store = fenced_app.backend.lease_store
-    store.worker_alive("w1@box/4242/abc", 30_000)
+    store.liveness.worker_alive("w1@box/4242/abc", 30_000)
     received = [Reservation(task_id, 60_000, "proj.task", CALL, 3, publish_id="p1") for task_id in ("r1", "r2")]
     store.reserve_many(received, "w1@box", "w1@box/4242/abc")
-    store.worker_alive("w2@box/77/def", 1)  # gone without saying so: lapsed at once
-    lapses_at = {worker_id: until for worker_id, until, _ in store.workers()}["w2@box/77/def"]
+    store.liveness.worker_alive("w2@box/77/def", 1)  # gone without saying so: lapsed at once
+    lapses_at = {worker_id: until for worker_id, until, _ in store.liveness.workers()}["w2@box/77/def"]
     wait_until(lambda: store.server_time_ms() > lapses_at, 5, "the record to lapse")
     rows = [json.loads(line) for line in run(fenced_app, "status", "--workers", "--json").output.splitlines()]
     assert [(r["hostname"], r["pid"], r["reserved"], r["alive"]) for r in rows] == [

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Celery
 
-from celery_fenced import control, reap
-from celery_fenced.reaper import REAP_TASK_NAME
-from celery_fenced.state import StoreOutcome
+from celery_fenced import reap
+from celery_fenced._lease.state import StoreOutcome
+from celery_fenced._operator import control
+from celery_fenced._reaper.reaper import REAP_COMMAND
 from tests.unit.conftest import queued
 
 CALL = {"task": "proj.report", "args": [7], "kwargs": {}, "options": {}}
@@ -47,18 +51,46 @@ def test_cancel_of_an_unknown_id_stores_nothing_unless_forced(fenced_app: Celery
     assert stored(fenced_app, "queued")["status"] == "REVOKED"
 
 
-def test_redrive_puts_an_abandoned_task_back_and_sends_one_reap(fenced_app: Celery) -> None:
+@contextlib.contextmanager
+def worker_pidbox(app: Celery, hostname: str) -> Iterator[Callable[[], list[str]]]:
+    """A worker's control mailbox on the real broker: yields what it heard, drained on each call."""
+    heard: list[str] = []
+    with app.connection_for_write() as connection:
+        channel = connection.channel()
+        handlers = {REAP_COMMAND: lambda state, **_: heard.append(REAP_COMMAND)}
+        node = app.control.mailbox.Node(hostname, state=None, channel=channel, handlers=handlers)
+        consumer = node.listen()
+
+        def drain() -> list[str]:
+            with contextlib.suppress(socket.timeout, TimeoutError):
+                while True:
+                    connection.drain_events(timeout=0.3)
+            return list(heard)
+
+        drain()  # subscribed before anything is sent
+        try:
+            yield drain
+        finally:
+            consumer.cancel()
+            channel.close()
+
+
+def test_redrive_puts_an_abandoned_task_back_and_asks_the_live_workers_for_a_reap(fenced_app: Celery) -> None:
     store = fenced_app.backend.lease_store
     owner = running(fenced_app, "a1", max_takeovers=0).state
     store.lapse("a1", "host/1/a", owner.owner_token, mode="release")
     assert reap(fenced_app).abandoned == ["a1"]
     assert [state.task_id for state in control.abandoned(fenced_app)] == ["a1"]
-    assert control.redrive(fenced_app, "a1") == "redriven"
-    assert store.read("a1").status == "LAPSED"  # type: ignore[union-attr]
-    assert [m["headers"]["task"] for m in queued(fenced_app)] == [REAP_TASK_NAME]
-    assert control.abandoned(fenced_app) == []
-    assert control.redrive_many(fenced_app, ["a1", "nothing"]) == {"a1": "not-abandoned", "nothing": "missing"}
-    assert len(queued(fenced_app)) == 1  # nothing redriven: no reap asked
+    store.liveness.worker_alive("w1@host/42/abcd", ttl_ms=60_000)
+    with worker_pidbox(fenced_app, "w1@host") as heard:
+        assert control.redrive(fenced_app, "a1") == "redriven"
+        assert store.read("a1").status == "LAPSED"  # type: ignore[union-attr]
+        # A control message to the live worker, not a task message in a queue.
+        assert heard() == [REAP_COMMAND]
+        assert queued(fenced_app) == []
+        assert control.abandoned(fenced_app) == []
+        assert control.redrive_many(fenced_app, ["a1", "nothing"]) == {"a1": "not-abandoned", "nothing": "missing"}
+        assert heard() == [REAP_COMMAND]  # nothing redriven: no reap asked
 
 
 def test_the_dead_letters_forget_a_task_whose_lease_is_gone(fenced_app: Celery) -> None:

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .exceptions import ConfigurationError
+from ..exceptions import ConfigurationError
 
 __all__ = [
     "DASHBOARD_FILE",
@@ -23,9 +23,11 @@ __all__ = [
     "PANELS",
     "RULES_FILE",
     "RULES_GROUP",
+    "SDK_MISSING",
     "Panel",
     "build_dashboard",
     "rules_text",
+    "sdk_available",
     "write",
 ]
 
@@ -70,9 +72,16 @@ PANELS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "Takeovers by cause",
-                "Tasks the reaper sent again: stalled (owner alive, not progressing), gone (lease "
-                "expired) or unstarted (a reservation expired before the task started).",
-                ((f"sum by (cause) (rate(owner_takeover_total[{_RATE}]))", "{{cause}}"),),
+                "Tasks the reaper took over from an owner: stalled (owner alive, not progressing) "
+                "or gone (lease expired). What FencedTakeoverRateHigh counts.",
+                ((f'sum by (cause) (rate(owner_takeover_total{{cause!="unstarted"}}[{_RATE}]))', "{{cause}}"),),
+                unit="ops",
+            ),
+            Panel(
+                "Unstarted re-sends",
+                "Received messages sent again because no process started them within "
+                "fenced_start_timeout (a dropped connection, a long backlog): no takeover.",
+                ((f'sum(rate(owner_takeover_total{{cause="unstarted"}}[{_RATE}]))', "unstarted"),),
                 unit="ops",
             ),
             Panel(
@@ -156,6 +165,15 @@ PANELS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
 )
 
 
+#: Why the dashboard is not written where its builder cannot be installed, and what to do.
+SDK_MISSING = (
+    "celery-fenced.json not written: it is built by grafana-foundation-sdk, which is not installed "
+    "(it has no release for Python 3.10); on Python 3.11 or newer, "
+    "pip install 'celery-fenced[dashboards]' and run this command again. "
+    "The alert rules need nothing and were written."
+)
+
+
 def _sdk() -> Any:
     try:
         from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
@@ -163,10 +181,19 @@ def _sdk() -> Any:
         from grafana_foundation_sdk.models.dashboard import DataSourceRef
     except ImportError as exc:
         raise ConfigurationError(
-            "celery fenced dashboards needs grafana-foundation-sdk (Python 3.11 or newer): "
+            "the Grafana dashboard needs grafana-foundation-sdk (Python 3.11 or newer): "
             "pip install 'celery-fenced[dashboards]'"
         ) from exc
     return dashboard, prometheus, stat, timeseries, JSONEncoder, DataSourceRef
+
+
+def sdk_available() -> bool:
+    """Whether ``grafana-foundation-sdk`` (the ``dashboards`` extra) can be imported here."""
+    try:
+        _sdk()
+    except ConfigurationError:
+        return False
+    return True
 
 
 def build_dashboard() -> dict[str, Any]:
@@ -203,15 +230,23 @@ def rules_text() -> str:
 
 
 def write(out: Path) -> list[Path]:
-    """Write the dashboard and the rules into ``out`` (made if missing); the files written.
+    """Write the rules, and the dashboard where it can be built, into ``out`` (made if missing).
 
-    Raises:
-        ConfigurationError: ``grafana-foundation-sdk`` is not installed (nothing is written).
+    The rules are the package's own file and are written on every supported Python; the
+    dashboard is built with ``grafana-foundation-sdk`` (the extra ``dashboards``, Python 3.11
+    or newer) and is left out where that is not installed (:data:`SDK_MISSING` says so).
+
+    Returns:
+        The files written: the dashboard (where built), then the rules.
     """
-    board = build_dashboard()
+    board = build_dashboard() if sdk_available() else None
     out.mkdir(parents=True, exist_ok=True)
-    dashboard_path = out / DASHBOARD_FILE
-    dashboard_path.write_text(json.dumps(board, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    written = []
+    if board is not None:
+        dashboard_path = out / DASHBOARD_FILE
+        dashboard_path.write_text(json.dumps(board, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append(dashboard_path)
     rules_path = out / RULES_FILE
     rules_path.write_text(rules_text(), encoding="utf-8")
-    return [dashboard_path, rules_path]
+    written.append(rules_path)
+    return written

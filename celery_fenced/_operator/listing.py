@@ -1,8 +1,8 @@
 """What ``celery fenced`` prints: the rows of ``status``, a lease for ``inspect``, plain tables.
 
-Pure functions of what the commands read (:class:`~celery_fenced.state.LeaseState`, the
+Pure functions of what the commands read (:class:`~celery_fenced._lease.state.LeaseState`, the
 workers' liveness records, the lease hash's fields) and the server's clock; the commands in
-:mod:`celery_fenced.cli` read, act and echo.
+:mod:`celery_fenced._operator.cli` read, act and echo.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from .compat import UTC
-from .lease_fields import is_time, typed
-from .state import LeaseState
-from .store import hostname_of
+from .._celery.compat import UTC
+from .._lease.fields import is_time, typed
+from .._lease.liveness_store import hostname_of
+from .._lease.state import LeaseState
 
 __all__ = [
     "LEASE_HEADERS",
@@ -53,9 +53,14 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}s"
 
 
+def _left(until_ms: int, now_ms: int) -> float:
+    """Seconds from ``now_ms`` until ``until_ms``; 0 once it has passed (the status says what then)."""
+    return max(0, until_ms - now_ms) / 1000
+
+
 def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
     """One lease as ``status --json`` prints it: ages and times left in seconds at ``now_ms``."""
-    ended = state.status == "ABANDONED"
+    ended = state.status in ("DONE", "ABANDONED")
     reserved = state.status == "RESERVED"
     return {
         "task_id": state.task_id,
@@ -67,7 +72,7 @@ def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
         "token": state.owner_token,
         "stage": state.current_stage,
         "seconds_since_progress": None if state.last_progress_at is None else (now_ms - state.last_progress_at) / 1000,
-        "seconds_left": None if ended or state.lease_expire_at is None else (state.lease_expire_at - now_ms) / 1000,
+        "seconds_left": None if ended or state.lease_expire_at is None else _left(state.lease_expire_at, now_ms),
         "attempt": state.attempt,
         "takeovers": state.takeovers,
     }
@@ -97,7 +102,7 @@ def worker_row(worker_id: str, until_ms: int, reserved: int, now_ms: int) -> dic
         "hostname": hostname_of(worker_id),
         "pid": int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None,
         "reserved": reserved,
-        "seconds_left": (until_ms - now_ms) / 1000,
+        "seconds_left": _left(until_ms, now_ms),
         "alive": until_ms > now_ms,
     }
 
@@ -121,7 +126,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
-    """The lease hash with its values typed by its schema (:mod:`celery_fenced.lease_fields`)."""
+    """The lease hash with its values typed by its schema (:mod:`celery_fenced._lease.fields`)."""
     return typed(raw)
 
 

@@ -1,6 +1,6 @@
 """celery -A proj fenced …: look at leases, act on one task, serve metrics, tune deadlines.
 
-The commands read, act and echo; what they print is made in :mod:`celery_fenced.listing`.
+The commands read, act and echo; what they print is made in :mod:`celery_fenced._operator.listing`.
 Registered as a celery.commands entry point, so it is a subcommand of Celery's own CLI
 and gets the app from -A.
 """
@@ -18,9 +18,13 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import RedisError
 
+from .._celery.startup import flush_warnings
+from .._lease.state import CancelOutcome, RedriveOutcome
+from .._lease.store import LeaseStore, lease_store_of
+from .._telemetry.metrics import ClusterCollector, read_false_takeovers, read_gaps
+from ..conf import ensure_conf
+from ..exceptions import ConfigurationError
 from . import control
-from .conf import ensure_conf, flush_warnings
-from .exceptions import ConfigurationError
 from .listing import (
     LEASE_HEADERS,
     WORKER_HEADERS,
@@ -29,13 +33,9 @@ from .listing import (
     render_lease,
     seconds,
     table,
-    typed_fields,
     worker_cells,
     worker_row,
 )
-from .metrics import ClusterCollector, read_false_takeovers, read_gaps
-from .state import CancelOutcome, RedriveOutcome
-from .store import LeaseStore, lease_store_of
 from .tuning import suggest
 
 __all__ = ["LISTED_STATES", "LIVE_STATES", "fenced"]
@@ -142,7 +142,7 @@ def status(
 
 def _print_workers(store: LeaseStore, as_json: bool) -> None:
     now = store.server_time_ms()
-    rows = [worker_row(worker_id, until, reserved, now) for worker_id, until, reserved in store.workers()]
+    rows = [worker_row(worker_id, until, reserved, now) for worker_id, until, reserved in store.liveness.workers()]
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -162,7 +162,7 @@ def inspect(ctx: click.Context, task_id: str, as_json: bool) -> None:
     state = control.inspect(app, task_id)
     if state is None:
         raise click.ClickException(f"task {task_id} has no lease (unknown, or its lease expired)")
-    fields = typed_fields(state.raw)
+    fields = state.typed_fields()
     if as_json:
         click.echo(json.dumps(fields, indent=2, sort_keys=True))
         return
@@ -258,15 +258,14 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
     help="Directory to write celery-fenced.json and celery-fenced-rules.yml into.",
 )
 def dashboards(out: Path) -> None:
-    """Write the Grafana dashboard and the Prometheus alert rules into OUT."""
+    """Write the Prometheus alert rules, and the Grafana dashboard where it can be built, into OUT."""
     from . import dashboards as shipped
 
-    try:
-        written = shipped.write(out)
-    except ConfigurationError as exc:
-        raise click.ClickException(str(exc)) from None
+    written = shipped.write(out)
     for path in written:
         click.echo(str(path))
+    if shipped.DASHBOARD_FILE not in {path.name for path in written}:
+        click.echo(shipped.SDK_MISSING, err=True)
 
 
 @fenced.command()
@@ -345,7 +344,7 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
 @click.pass_context
 def flower(ctx: click.Context) -> None:
     """Start Flower with the lease fields, columns and token rule (other options go to Flower)."""
-    conf = Path(__file__).parent / "contrib" / "flower" / "flowerconfig.py"
+    conf = Path(__file__).parent.parent / "contrib" / "flower" / "flowerconfig.py"
     root = ctx.find_root()
     app_arg = root.params.get("app")
     argv = [sys.executable, "-m", "celery"]

@@ -12,14 +12,15 @@ import logging
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
-from . import events
-from .reaper import request_reap
-from .state import CancelOutcome, LeaseState, LeaseStatus, RedriveOutcome
-from .store import lease_store_of
+from .._lease.state import CancelOutcome, LeaseState, LeaseStatus, RedriveOutcome
+from .._lease.store import lease_store_of
+from .._reaper.reaper import request_reap
+from .._telemetry import events
+from .._telemetry.events import CANCEL_CAUSE, REDRIVE_CAUSE
 
 __all__ = ["abandoned", "cancel", "inspect", "redrive", "redrive_many"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_fenced.control")
 
 
 def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too: bool = False) -> str:
@@ -48,26 +49,28 @@ def cancel(app: Celery, task_id: str, reason: str = "cancelled", *, unknown_too:
         answer = store.cancel(task_id, revoked_meta, expires_ms=expires_ms, unknown_too=unknown_too)
     code = answer.code
     if code == CancelOutcome.CANCELLED:
-        logger.warning("task %s cancelled", task_id)
+        logger.info("task %s cancelled", task_id)
         # A chord member's part is counted, as Celery counts a revoked one.
         state = store.read(task_id)
         call = state.call if state is not None else None
         backend.ended_without_owner(task_id, call, TaskRevokedError(reason), states.REVOKED)
-        if not answer.had_owner:
-            # An owner hears of the cancel at its next renewal and tells Flower; a task nobody
-            # runs (waiting, received, taken over) has nobody to: tell it here.
-            events.send(
-                app,
-                "task-revoked",
-                task_id=task_id,
-                token=state.owner_token if state is not None else 0,
-                stage=state.current_stage if state is not None else None,
-                attempt=state.attempt if state is not None else 0,
-                always=True,
-                terminated=False,
-                expired=False,
-                signum=None,
-            )
+        # Flower shows REVOKED at once, whether an owner runs the task (it hears of the cancel
+        # only at its next renewal) or nobody does (waiting, received, taken over). The event
+        # carries the cancel's token: no event of an earlier owner changes the task after it.
+        events.send(
+            app,
+            "task-revoked",
+            task_id=task_id,
+            token=state.owner_token if state is not None else 0,
+            stage=state.current_stage if state is not None else None,
+            attempt=state.attempt if state is not None else 0,
+            always=True,
+            terminated=False,
+            expired=False,
+            signum=None,
+            cause=CANCEL_CAUSE,
+            reason=reason,
+        )
     return str(code)
 
 
@@ -86,10 +89,30 @@ def redrive_many(app: Celery, task_ids: list[str]) -> dict[str, str]:
     codes = {task_id: str(store.redrive(task_id)) for task_id in task_ids}
     redriven = [task_id for task_id, code in codes.items() if code == RedriveOutcome.REDRIVEN]
     for task_id in redriven:
-        logger.warning("redrive of task %s: due for a takeover now", task_id)
+        logger.info("redrive of task %s: due for a takeover now", task_id)
+        _tell_flower_of_the_redrive(app, store.read(task_id))
     if redriven:
         request_reap(app)
     return codes
+
+
+def _tell_flower_of_the_redrive(app: Celery, state: LeaseState | None) -> None:
+    """Flower leaves the abandoned FAILURE at once (the result is gone): the task waits for its
+    takeover. Sent before the reap is asked for, so it comes before the new attempt's news."""
+    if state is None:
+        return
+    events.send(
+        app,
+        "task-takeover",
+        task_id=state.task_id,
+        token=state.owner_token,
+        stage=state.current_stage,
+        attempt=state.attempt,
+        always=True,
+        takeovers=state.takeovers,
+        cause=REDRIVE_CAUSE,
+        name=state.task_name,
+    )
 
 
 def abandoned(app: Celery, limit: int = 1000) -> list[LeaseState]:

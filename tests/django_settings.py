@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 SECRET_KEY = "tests-only"
 USE_TZ = True
 INSTALLED_APPS = ["django.contrib.contenttypes", "celery_fenced.contrib.django", "tests.djangoapp"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+DATABASES = {
+    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    # A file, which several connections share: how SQLite's locks meet each other.
+    "sqlite_file": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.path.join(tempfile.gettempdir(), f"celery_fenced_{os.getpid()}.sqlite3"),
+        "TEST": {"NAME": os.path.join(tempfile.gettempdir(), f"test_celery_fenced_{os.getpid()}.sqlite3")},
+    },
+}
 
 
 def _postgres_reachable() -> bool:

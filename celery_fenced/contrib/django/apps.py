@@ -12,19 +12,23 @@ logger = logging.getLogger("celery_fenced.django")
 
 
 class CeleryFencedConfig(AppConfig):
-    """Wires celery-fenced's signals to Django's logging and checks the settings at start."""
+    """Wires celery-fenced's signals to Django's logging and registers the settings check.
+
+    A bad ``CELERY_FENCED_*`` setting does not stop Django (``manage.py migrate`` and the
+    rest work): ``manage.py check`` reports it by name, and the worker refuses to start.
+    """
 
     name = "celery_fenced.contrib.django"
     label = "celery_fenced"
     verbose_name = "celery-fenced"
 
     def ready(self) -> None:
-        from django.conf import settings
+        from django.core import checks
 
-        from ...conf import check_django_settings
         from ...signals import stale_write_rejected, task_taken_over
+        from .checks import TAG, check_fenced_settings
 
-        check_django_settings(settings)  # a bad CELERY_FENCED_* setting stops Django, naming it
+        checks.register(check_fenced_settings, TAG)
         stale_write_rejected.connect(_log_stale_write, weak=False, dispatch_uid="celery_fenced.django.stale")
         task_taken_over.connect(_log_takeover, weak=False, dispatch_uid="celery_fenced.django.takeover")
 

@@ -13,11 +13,16 @@ state so that:
   current owner progresses;
 * ``task-stalled`` shows as ``STALLED``, and so does a lease lost while the task waits to be
   taken over; ``task-takeover`` as ``TAKEOVER`` until the new owner starts;
-* a task cancelled with ``celery fenced cancel`` shows ``REVOKED``; an abandoned one
-  ``FAILURE`` with its ``TaskAbandonedError``;
+* what an operator or the reaper did shows at once, whatever Celery's state order says (a
+  READY state is normally never left): a task cancelled with ``celery fenced cancel`` shows
+  ``REVOKED`` (the cancel sends the event itself), an abandoned one ``FAILURE`` with its
+  ``TaskAbandonedError``, a redriven one ``TAKEOVER`` until its new attempt runs; a task
+  the backend settled (cancelled, abandoned) is changed by no later event but a redrive, so
+  Flower never shows a state the backend has moved past;
 * ``attempts`` lists every attempt Flower heard of (:class:`AttemptHistory`): worker, token,
-  started, ended, last stage, outcome and reason, the refused write of a zombie included. Its
-  page shows it as a table; ``/api/task/info`` returns the list.
+  started, ended, last stage, outcome and reason, the refused write of a zombie included;
+  ``/api/task/info`` returns the list. The task page shows the lease fields and the
+  attempts first, above Flower's own table.
 
 ``celery fenced flower`` starts Flower with :mod:`.flowerconfig`, which calls
 :func:`install`. Supported Flower versions: 2.2.x.
@@ -27,11 +32,13 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from typing import Any
 
 from celery import states
 from celery.events.state import State, Task
 
+from ..._telemetry.events import CANCEL_CAUSE, REDRIVE_CAUSE
 from ...exceptions import TaskAbandonedError
 
 __all__ = [
@@ -43,6 +50,7 @@ __all__ = [
     "ShownDetails",
     "attempts_table",
     "install",
+    "lease_first",
 ]
 
 #: Lease fields added to Flower's task view and API.
@@ -71,6 +79,9 @@ OUTCOMES = (
 )
 
 _RECOVERED_BY_PROGRESS = ("STALLED", "TAKEOVER")
+
+#: Outcomes no later event of the attempt replaces: what ended it for good.
+_FINAL_OUTCOMES = ("cancelled", "abandoned", "succeeded", "failed")
 _CELERY_ENDINGS = {
     "task-succeeded": "succeeded",
     "task-failed": "failed",
@@ -78,7 +89,8 @@ _CELERY_ENDINGS = {
     "task-revoked": "cancelled",
 }
 _TABLE_MARK = "\u2063celery-fenced-attempts\u2063"  # stands for the table on the task page
-_installed = False
+_SETTLED = "fenced_settled"  # on a task: the READY state an operator or the reaper stored
+_installed = False  # global: Flower's classes are patched once per process
 
 
 class ShownDetails(dict[str, Any]):
@@ -99,7 +111,11 @@ class AttemptHistory(list[dict[str, Any]]):
         return _TABLE_MARK
 
     def heard(self, event: dict[str, Any]) -> None:
-        """Write what ``event`` says into the attempt it is about."""
+        """Write what ``event`` says into the attempt it is about.
+
+        An attempt that ended for good (:data:`_FINAL_OUTCOMES`) keeps its outcome: the lease
+        loss its owner reports after a cancel, or the refusal of its late write, is no news.
+        """
         kind = event.get("type", "")
         when = event.get("timestamp")
         worker = event.get("hostname")
@@ -111,20 +127,40 @@ class AttemptHistory(list[dict[str, Any]]):
             else:
                 self._new(worker, when)
             return
+        if kind == "task-revoked" and event.get("cause") == CANCEL_CAUSE:
+            # The cancel's own event: it carries the cancel's token, which no attempt holds.
+            entry = self._open_attempt()
+            if entry is not None:
+                entry.update(outcome="cancelled", reason=_cancel_reason(event), ended=when)
+            return
         if kind in _CELERY_ENDINGS:
             entry = self._by_token(token) if token is not None else self._current()
             entry = entry or self._new(worker, when)
+            if entry["outcome"] in ("cancelled", "abandoned"):
+                return
             entry.update(outcome=_CELERY_ENDINGS[kind], ended=when)
             if kind == "task-failed":
                 entry["reason"] = event.get("exception")
             return
         if token is None or not kind.startswith("task-"):
             return
-        entry = self._by_token(token) or self._adopt(token, worker) or self._new(worker, when, token)
+        if kind in ("task-takeover", "task-abandoned"):
+            # Sent by the reaper or an operator's command, not by the attempt: about the
+            # attempt of its token, else the latest (an abandon may store its FAILURE under
+            # a token of its own); never a new attempt.
+            found = self._by_token(token) or (self[-1] if self else None)
+            if found is None:
+                return
+            entry = found
+        else:
+            entry = self._by_token(token) or self._adopt(token, worker) or self._new(worker, when, token)
         if event.get("attempt"):
             entry["attempt"] = event["attempt"]
         if event.get("stage"):
             entry["stage"] = event["stage"]
+        if entry["outcome"] in _FINAL_OUTCOMES:
+            entry["ended"] = entry["ended"] or when
+            return
         if kind == "task-progress":
             if entry["outcome"] == "stalled":
                 entry["outcome"] = "running"
@@ -164,6 +200,10 @@ class AttemptHistory(list[dict[str, Any]]):
                 return entry
         return None
 
+    def _open_attempt(self) -> dict[str, Any] | None:
+        """The newest attempt that has not ended (the one an operator's action ends)."""
+        return next((entry for entry in reversed(self) if _open(entry)), None)
+
     def _current(self) -> dict[str, Any] | None:
         """The attempt Celery's own events are about: the newest token's (a zombie sends none)."""
         known = [entry for entry in self if entry["token"] is not None]
@@ -176,6 +216,12 @@ class AttemptHistory(list[dict[str, Any]]):
 
 def _open(entry: dict[str, Any]) -> bool:
     return entry["ended"] is None
+
+
+def _cancel_reason(event: dict[str, Any]) -> str:
+    said = "cancelled (celery fenced cancel)"
+    given = str(event.get("reason") or "")
+    return f"{said}: {given}" if given and given != "cancelled" else said
 
 
 def _is_cancel(reason: str) -> bool:
@@ -203,6 +249,15 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
     uuid = event.get("uuid")
     token = _token_of(event.get("token"))
     task = state.tasks.get(uuid) if uuid else None
+    cause = event.get("cause")
+    if kind == "task-takeover" and cause == REDRIVE_CAUSE:
+        return _moved_by_the_backend(original, state, event, "TAKEOVER", settled=False)
+    if task is not None and kind.startswith("task-") and getattr(task, _SETTLED, None):
+        return None  # cancelled or abandoned: the backend moves it on only by a redrive
+    if kind == "task-revoked" and cause == CANCEL_CAUSE:
+        return _moved_by_the_backend(original, state, event, states.REVOKED, settled=True)
+    if kind == "task-abandoned":
+        return _moved_by_the_backend(original, state, event, states.FAILURE, settled=True)
     if kind.startswith("task-") and token is not None and task is not None:
         newest = _token_of(getattr(task, "token", None))
         if newest is not None and token < newest:
@@ -222,7 +277,7 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
                 task.state = "STALLED"  # it waits to be taken over
             task.reason = event.get("reason")
             return None
-        if kind in ("task-takeover", "task-abandoned"):
+        if kind == "task-takeover":
             # Sent by the reaper's process: the task's worker stays the one that ran it.
             worker = task.worker
             result = original(state, _as_celery_event(event))
@@ -231,6 +286,37 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
     if kind == "task-progress":
         event = dict(event, type="task-started")  # first news of the task: it runs
     return original(state, _as_celery_event(event))
+
+
+def _moved_by_the_backend(original: Any, state: State, event: dict[str, Any], shown: str, *, settled: bool) -> Any:
+    """Show ``shown``, what the backend now stores (or, for a redrive, what the task waits for).
+
+    Celery's state order keeps a READY state against every later event but a SUCCESS, and
+    ranks REVOKED below FAILURE: an operator's cancel or redrive, or the reaper's abandon,
+    moves the task whatever Flower showed. Sent by another process than the task's worker,
+    the event leaves the task's worker as it was. A settled task (cancelled, abandoned)
+    takes no later event but a redrive.
+    """
+    uuid = event.get("uuid")
+    task = state.tasks.get(uuid) if uuid else None
+    worker = task.worker if task is not None else None
+    result = original(state, _as_celery_event(event))
+    task = state.tasks.get(uuid) if uuid else None
+    if task is None:
+        return result
+    if worker is not None:
+        task.worker = worker
+    task.state = shown
+    token = _token_of(event.get("token"))
+    if token is not None:
+        task.token = token
+    if shown == states.REVOKED:
+        task.reason = _cancel_reason(event)
+    if not settled:  # a redrive: the abandoned FAILURE is gone from the backend
+        task.exception = task.traceback = task.result = None
+        task.reason = "redriven: waiting for a new owner"
+    setattr(task, _SETTLED, shown if settled else None)
+    return result
 
 
 def _as_celery_event(event: dict[str, Any]) -> dict[str, Any]:
@@ -282,23 +368,64 @@ def install() -> None:
         return "Details" if obj == "details" and type is None else humanize(obj, type)
 
     flower_template.humanize = label
-    _show_attempts_as_a_table(flower_tasks.TaskView, humanize)
+    _show_the_lease_first(flower_tasks.TaskView, humanize, label)
 
 
-def _show_attempts_as_a_table(view: Any, humanize: Any) -> None:
-    """The task page prints ``attempts`` through its generic field row, escaped: the row's mark
-    is replaced by a table once the page is rendered."""
+#: Where Flower 2.2's task page begins its own table of the task's fields.
+_FLOWER_TABLE = '<section class="detail-card task-details-card"'
+
+
+def _show_the_lease_first(view: Any, humanize: Any, label: Any) -> None:
+    """The task page's lease rows and attempts come first, above Flower's own table.
+
+    Flower prints every field through its generic row, below its own ones (about 1,100 px
+    down): once the page is rendered, those rows are taken out and shown in a section of
+    their own above that table, the attempts as a table.
+    """
     render_string = view.render_string
 
     def render(self: Any, template_name: str, **kwargs: Any) -> bytes:
         page: bytes = render_string(self, template_name, **kwargs)
         task = kwargs.get("task")
-        history = getattr(task, "attempts", None)
-        if template_name == "task.html" and isinstance(history, AttemptHistory):
-            page = page.replace(_TABLE_MARK.encode(), attempts_table(history, humanize).encode())
-        return page
+        if template_name != "task.html" or task is None:
+            return page
+        return lease_first(page.decode(), task, humanize, label).encode()
 
     view.render_string = render
+
+
+def lease_first(page: str, task: Any, humanize: Any = None, label: Any = None) -> str:
+    """Flower's task page with the lease fields and the attempts in a section above its table."""
+    history = getattr(task, "attempts", None)
+    if _FLOWER_TABLE not in page:  # another page layout: the attempts table stays in its row
+        if isinstance(history, AttemptHistory):
+            page = page.replace(_TABLE_MARK, attempts_table(history, humanize))
+        return page
+    name_of = label or (lambda name: name.capitalize())
+    rows = []
+    for name in LEASE_FIELDS:
+        shown = name_of(name)
+        page = re.sub(
+            rf'\s*<div class="detail-row">\s*<dt>{re.escape(html.escape(str(shown)))}</dt>\s*<dd>.*?</dd>\s*</div>',
+            "",
+            page,
+            count=1,
+            flags=re.DOTALL,
+        )
+        value = getattr(task, name, None)
+        if value is None or name == "attempts":
+            continue
+        cells = f"<dt>{html.escape(str(shown))}</dt><dd>{html.escape(str(value))}</dd>"
+        rows.append(f'<div class="detail-row">{cells}</div>')
+    table = attempts_table(history, humanize) if isinstance(history, AttemptHistory) and history else ""
+    if not rows and not table:
+        return page
+    attempts = f'<div class="px-3 pb-2"><p class="page-eyebrow mt-3 mb-2">Attempts</p>{table}</div>' if table else ""
+    section = (
+        '<section class="detail-card fenced-lease-card" aria-label="Lease">'
+        f'<dl class="detail-list">{"".join(rows)}</dl>{attempts}</section>\n  '
+    )
+    return page.replace(_FLOWER_TABLE, section + _FLOWER_TABLE, 1)
 
 
 def attempts_table(history: AttemptHistory, humanize: Any = None) -> str:

@@ -148,6 +148,53 @@ def test_a_cancelled_task_shows_revoked() -> None:
     assert task.attempts[0]["outcome"] == "cancelled"
 
 
+def test_abandon_redrive_and_cancel_show_what_the_backend_stores_at_once() -> None:
+    """Celery's order of states keeps a FAILURE against every later event but a SUCCESS, and a
+    REVOKED below it: the operator's and the reaper's events move the task all the same."""
+    install()
+    state = State()
+    state.event(at(0, "task-started", pid=41))
+    state.event(at(1, "task-progress", token=5, stage="load-data", attempt=1))
+    state.event(at(3, "task-abandoned", token=5, attempt=1, cause="stalled", hostname="celery@reaper"))
+    task = state.tasks["t1"]
+    assert task.state == states.FAILURE and "TaskAbandonedError" in task.exception
+    state.event(at(3.5, "task-succeeded", result="'zombie'", runtime=3.0))  # its late news: refused, stored nothing
+    assert task.state == states.FAILURE
+    state.event(at(4, "task-takeover", token=5, attempt=1, cause="redrive", hostname="celery@ops"))
+    assert (task.state, task.exception, task.worker.hostname) == ("TAKEOVER", None, "w1@host")
+    state.event(at(5, "task-takeover", token=5, attempt=1, cause="stalled", hostname="w3@host"))  # the re-send
+    state.event(at(6, "task-started", pid=42, hostname="w2@host"))
+    state.event(at(6.1, "task-progress", token=7, stage="load-data", attempt=2, hostname="w2@host"))
+    assert (task.state, task.token) == (states.STARTED, 7)
+    state.event(
+        at(
+            7,
+            "task-revoked",
+            token=8,
+            attempt=2,
+            cause="cancel",
+            reason="cancelled",
+            hostname="celery@ops",
+            terminated=False,
+        )
+    )
+    assert (task.state, task.worker.hostname) == (states.REVOKED, "w2@host")
+    # The owner hears of it later, and says so in its own words; its body then fails.
+    state.event(at(8, "task-lease-lost", token=7, reason="taken over: a newer token owns the task", hostname="w2@host"))
+    state.event(at(8.5, "task-failed", exception="LeaseLostError()", hostname="w2@host"))
+    assert task.state == states.REVOKED
+    assert [(a["attempt"], a["outcome"]) for a in task.attempts] == [(1, "abandoned"), (2, "cancelled")]
+    assert task.attempts[1]["reason"] == "cancelled (celery fenced cancel)"
+
+
+def test_a_cancel_nobody_hears_of_lists_no_attempt() -> None:
+    task = state_of(
+        at(0, "task-received", name="proj.report", args="()", kwargs="{}"),
+        at(1, "task-revoked", token=3, cause="cancel", reason="cancelled", hostname="celery@ops", terminated=False),
+    )
+    assert task.state == states.REVOKED and task.attempts == []
+
+
 def test_an_abandoned_task_shows_its_failure_and_keeps_its_worker() -> None:
     task = state_of(
         at(0, "task-started", pid=41),

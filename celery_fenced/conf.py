@@ -8,42 +8,39 @@ naming the setting and the value.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from celery import Celery
 
-from .apps import first_time, record_of
+from ._celery.apps import first_time, record_of
+from ._celery.startup import warn_once
 from .exceptions import ConfigurationError
 
 __all__ = [
     "DEFAULTS",
+    "DEFAULT_VISIBILITY_TIMEOUT",
     "ON_STALL_MODES",
     "TASK_OPTIONS",
     "FencedConfig",
     "TaskPolicy",
+    "add_defaults",
     "build_policy",
     "check_django_settings",
-    "check_settings_before_beat",
     "ensure_conf",
-    "exit_in_one_line",
-    "exit_on_bad_settings",
-    "flush_warnings",
+    "forget_window",
     "nearest",
     "normalise_stage",
     "positive_seconds",
     "read_settings",
     "reset_conf",
+    "unknown_django_settings",
     "unknown_settings",
 ]
-
-logger = logging.getLogger("celery_fenced.conf")
 
 #: What the heartbeat does once a lease made no progress for ``fenced_stall_checks`` ticks.
 ON_STALL_MODES = ("release", "expire", "alert")
@@ -68,6 +65,10 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "fenced_max_detail_bytes": 4096,
     }
 )
+
+#: The broker's visibility timeout where ``broker_transport_options`` names none: kombu's
+#: Redis transport's default, seconds.
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 
 #: Options a task may override as class or decorator attributes, and the setting each shadows.
 TASK_OPTIONS: Mapping[str, str] = MappingProxyType(
@@ -198,23 +199,32 @@ class FencedConfig:
         return int(max(self.policy.lease_ttl, self.requeue_timeout, self.start_timeout) * 1000)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> FencedConfig:
-        """Validate settings given by their ``fenced_*`` names (missing ones take defaults)."""
+    def from_mapping(cls, values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> FencedConfig:
+        """Validate settings given by their ``fenced_*`` names (missing ones take defaults).
+
+        ``names`` gives, for a setting, the name its value was written under
+        (``CELERY_FENCED_LEASE_TTL``): an error names the setting that way.
+        """
+        written = names or {}
+
+        def name(key: str) -> str:
+            return written.get(key, key)
+
         merged = {key: values.get(key, default) for key, default in DEFAULTS.items()}
         prefix = merged["fenced_key_prefix"]
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} \n"):
             raise ConfigurationError(
-                f"fenced_key_prefix must be a non-empty string without spaces or braces, got {prefix!r}"
+                f"{name('fenced_key_prefix')} must be a non-empty string without spaces or braces, got {prefix!r}"
             )
-        policy = build_policy(merged, source=lambda option: TASK_OPTIONS[option])
-        reaper_interval = _positive_seconds("fenced_reaper_interval", merged["fenced_reaper_interval"])
-        requeue_timeout = _positive_seconds("fenced_requeue_timeout", merged["fenced_requeue_timeout"])
-        start_timeout = _positive_seconds("fenced_start_timeout", merged["fenced_start_timeout"])
+        policy = build_policy(merged, source=lambda option: name(TASK_OPTIONS[option]), names=written)
+        reaper_interval = _positive_seconds(name("fenced_reaper_interval"), merged["fenced_reaper_interval"])
+        requeue_timeout = _positive_seconds(name("fenced_requeue_timeout"), merged["fenced_requeue_timeout"])
+        start_timeout = _positive_seconds(name("fenced_start_timeout"), merged["fenced_start_timeout"])
         assert reaper_interval is not None and requeue_timeout is not None and start_timeout is not None
         return cls(
             key_prefix=prefix,
             reaper_interval=reaper_interval,
-            takeover_grace=_non_negative_seconds("fenced_takeover_grace", merged["fenced_takeover_grace"]),
+            takeover_grace=_non_negative_seconds(name("fenced_takeover_grace"), merged["fenced_takeover_grace"]),
             requeue_timeout=requeue_timeout,
             start_timeout=start_timeout,
             policy=policy,
@@ -238,10 +248,11 @@ class FencedConfig:
         return build_policy(merged, source=lambda option: f"{name}.{option}")
 
 
-def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
+def build_policy(values: Mapping[str, Any], source: Any, names: Mapping[str, str] | None = None) -> TaskPolicy:
     """Validate the lease options in ``values`` (keyed by setting name) into a policy.
 
-    ``source(option)`` names the setting in error messages.
+    ``source(option)`` names the setting in error messages; ``names`` the settings that
+    are no task option, by the name they were written under.
     """
 
     def get(option: str) -> Any:
@@ -272,38 +283,97 @@ def build_policy(values: Mapping[str, Any], source: Any) -> TaskPolicy:
         max_task_duration=_positive_seconds(source("max_task_duration"), get("max_task_duration"), allow_none=True),
         interrupt_on_loss=interrupt,
         max_detail_bytes=_positive_int(
-            "fenced_max_detail_bytes", values.get("fenced_max_detail_bytes", DEFAULTS["fenced_max_detail_bytes"])
+            (names or {}).get("fenced_max_detail_bytes", "fenced_max_detail_bytes"),
+            values.get("fenced_max_detail_bytes", DEFAULTS["fenced_max_detail_bytes"]),
         ),
     )
 
 
-def _read(lookup: Callable[[str], Any], spellings: Iterable[Callable[[str], str]]) -> dict[str, Any]:
-    """Every setting of :data:`DEFAULTS` that ``lookup`` finds under one of its ``spellings``."""
-    found: dict[str, Any] = {}
-    for key in DEFAULTS:
-        for spell in spellings:
-            value = lookup(spell(key))
-            if value is not _MISSING:
-                found[key] = value
-                break
-    return found
-
-
 def read_settings(app: Celery) -> dict[str, Any]:
-    """Read every ``fenced_*`` setting of ``app`` (``FENCED_*`` found too)."""
-    return _read(lambda name: app.conf.get(name, _MISSING), (str, str.upper))
+    """Read every ``fenced_*`` setting of ``app`` set by the project (``FENCED_*`` and, with a
+    namespace, ``CELERY_FENCED_*`` found too); the defaults are not in it."""
+    return _read_app(app)[0]
+
+
+def _spellings(key: str, prefix: str | None) -> tuple[str, ...]:
+    """The names ``key`` may be written under in ``app.conf``, in Celery's order."""
+    plain = (key, key.upper())
+    if not prefix:
+        return plain
+    namespaced = prefix + key
+    return (namespaced.upper() if prefix.isupper() else namespaced, *plain)
+
+
+def _read_app(app: Celery) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings the project set on ``app``, and the name each was written under.
+
+    Read from ``app.conf``'s own mappings, before celery-fenced's defaults there
+    (:func:`add_defaults`) and in Celery's order: the first mapping holding a spelling wins.
+    """
+    conf = app.conf
+    conf.finalize()
+    prefix = getattr(conf, "prefix", None)
+    mappings = [mapping for mapping in conf.maps if not isinstance(mapping, _ConfDefaults)]
+    values: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for key in DEFAULTS:
+        spellings = _spellings(key, prefix)
+        names[key] = spellings[0]  # a setting left out is named as the project would write it
+        for mapping in mappings:
+            found = next((name for name in spellings if name in mapping), None)
+            if found is not None:
+                values[key], names[key] = mapping[found], found
+                break
+    return values, names
+
+
+class _ConfDefaults(dict):  # type: ignore[type-arg]
+    """celery-fenced's defaults, as a mapping of ``app.conf`` behind the project's settings."""
+
+
+def add_defaults(app: Celery) -> None:
+    """Make every ``fenced_*`` default readable from ``app.conf`` (``app.conf.fenced_lease_ttl``).
+
+    The defaults go behind the project's settings, just before Celery's own defaults (not
+    with ``app.add_defaults``, whose mapping would shadow ``config_from_object``), now if
+    the app is configured and again whenever it is configured anew (idempotent).
+    """
+    if not first_time(app, "conf defaults"):
+        return
+
+    def place(source: Any = None, **_: Any) -> None:
+        maps = source.maps
+        if any(isinstance(mapping, _ConfDefaults) for mapping in maps):
+            return
+        defaults = _ConfDefaults(
+            {key: dict(value) if isinstance(value, dict) else value for key, value in DEFAULTS.items()}
+        )
+        at = max(1, len(maps) - 1)  # Celery's own defaults are the last mapping
+        maps.insert(at, defaults)
+        source.defaults.insert(at - 1, defaults)
+
+    app.on_after_configure.connect(place, weak=False)
+    if app.configured:
+        place(app.conf)
 
 
 def check_django_settings(settings: Any) -> FencedConfig:
     """Validate the ``CELERY_FENCED_*`` settings of a Django project (Celery's ``CELERY``
-    namespace), so a bad one stops Django at start with its name."""
-    return FencedConfig.from_mapping(
-        _read(lambda name: getattr(settings, name, _MISSING), (lambda key: f"CELERY_{key.upper()}",))
-    )
+    namespace); a :class:`ConfigurationError` names the setting as written there."""
+    names = {key: f"CELERY_{key.upper()}" for key in DEFAULTS}
+    values = {key: getattr(settings, name) for key, name in names.items() if hasattr(settings, name)}
+    return FencedConfig.from_mapping(values, names)
 
 
-_MISSING = object()
-_warned_unknown: set[str] = set()
+def unknown_django_settings(settings: Any) -> list[tuple[str, str | None]]:
+    """The ``CELERY_FENCED_*`` names of a Django project that are no setting, each with the
+    setting it was probably meant to be (``None`` when none is close)."""
+    known = {f"CELERY_{key.upper()}" for key in DEFAULTS}
+    unknown = []
+    for name in sorted(dir(settings)):
+        if name.startswith("CELERY_FENCED_") and name not in known:
+            unknown.append((name, nearest(name, known)))
+    return unknown
 
 
 def ensure_conf(app: Celery) -> FencedConfig:
@@ -315,98 +385,19 @@ def ensure_conf(app: Celery) -> FencedConfig:
     record = record_of(app)
     conf: FencedConfig | None = record.conf
     if conf is None:
-        conf = record.conf = FencedConfig.from_mapping(read_settings(app))
+        add_defaults(app)
+        conf = record.conf = FencedConfig.from_mapping(*_read_app(app))
         for key in unknown_settings(app):
-            if key in _warned_unknown:
-                continue
-            _warned_unknown.add(key)
             hint = nearest(key.lower().removeprefix("celery_"), DEFAULTS)
-            _warn(
+            if hint and key.isupper():  # spelled as the project spells its settings
+                hint = f"CELERY_{hint.upper()}" if key.startswith("CELERY_") else hint.upper()
+            warn_once(
+                key,
                 "unknown setting %s: celery-fenced has no such setting%s",
                 key,
                 f" (did you mean {hint}?)" if hint else "",
             )
     return conf
-
-
-# Warnings made before the process set up its logging (a worker reads its settings while it
-# imports the app, before Celery configures logging): Python would print them bare, with no
-# level. They wait for Celery's ``after_setup_logger``, or for :func:`flush_warnings`.
-_pending: list[tuple[str, tuple[Any, ...]]] = []
-
-
-def _warn(message: str, *args: Any) -> None:
-    if logger.hasHandlers():
-        logger.warning(message, *args)
-        return
-    if not _pending:
-        from celery.signals import after_setup_logger
-
-        after_setup_logger.connect(_flush_after_setup, weak=False, dispatch_uid="celery_fenced.conf.flush")
-    _pending.append((message, args))
-
-
-def _flush_after_setup(**_: Any) -> None:
-    flush_warnings()
-
-
-def flush_warnings(*, configure: bool = False) -> None:
-    """Log the warnings that waited for the process's logging.
-
-    Args:
-        configure: a command with no logging of its own (``celery fenced``): give the
-            ``celery_fenced`` logger a stderr handler first, so each says its level and logger.
-    """
-    if not _pending:
-        return
-    if configure and not logger.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logging.getLogger("celery_fenced").addHandler(handler)
-    pending = list(_pending)
-    _pending.clear()
-    for message, args in pending:
-        logger.warning(message, *args)
-
-
-@contextlib.contextmanager
-def exit_in_one_line() -> Iterator[None]:
-    """End the process with one line naming what is wrong when the block raises
-    :class:`ConfigurationError`.
-
-    For long-running commands (beat, the worker), where Celery would otherwise print the
-    error inside a long traceback, line by line through its log.
-    """
-    try:
-        yield
-    except ConfigurationError as exc:
-        raise SystemExit(f"celery-fenced: {exc}") from None
-
-
-def exit_on_bad_settings(app: Celery) -> None:
-    """Validate ``app``'s settings; a bad one ends the process with one line naming it."""
-    with exit_in_one_line():
-        ensure_conf(app)
-
-
-def check_settings_before_beat(app: Celery) -> None:
-    """Make ``celery beat`` stop with one line on a bad setting, before its scheduler starts.
-
-    Beat builds the result backend while it sets up its schedule, before any signal of its
-    own; the app's ``on_after_finalize`` comes earlier, and this receiver acts only under
-    the ``beat`` command (idempotent).
-    """
-    if not first_time(app, "beat settings check"):
-        return
-
-    def check(sender: Any = None, **_: Any) -> None:
-        import click
-
-        context = click.get_current_context(silent=True)
-        if context is not None and context.info_name == "beat":
-            exit_on_bad_settings(app)
-
-    app.on_after_finalize.connect(check, weak=False)
 
 
 def unknown_settings(app: Celery) -> list[str]:
@@ -430,3 +421,23 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
 def reset_conf(app: Celery) -> None:
     """Forget the cached configuration (after changing ``app.conf`` in tests)."""
     record_of(app).conf = None
+
+
+def forget_window(app: Celery) -> float:
+    """Seconds a copy of a finished task's message can still arrive: how long the DONE
+    tombstone that ``AsyncResult.forget()`` leaves is kept.
+
+    The larger of the broker's ``visibility_timeout`` (a message delivered and not
+    acknowledged comes back after it; ``broker_transport_options``, else kombu's default of
+    an hour) and the package's own re-sends: ``fenced_start_timeout``, then up to
+    ``max(fenced_max_takeovers, 1)`` re-sends ``fenced_requeue_timeout`` apart, and a reaper
+    pass.
+    """
+    conf = ensure_conf(app)
+    options = app.conf.get("broker_transport_options") or {}
+    try:
+        visibility = float(options.get("visibility_timeout") or DEFAULT_VISIBILITY_TIMEOUT)
+    except (TypeError, ValueError):
+        visibility = DEFAULT_VISIBILITY_TIMEOUT
+    resends = conf.start_timeout + max(conf.policy.max_takeovers, 1) * conf.requeue_timeout + conf.reaper_interval
+    return max(visibility, resends)

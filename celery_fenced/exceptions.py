@@ -7,6 +7,8 @@ The tree::
     ├── LeaseLostError              the owner no longer holds the lease: stop now
     │   └── StaleOwnerError         a write carried a token older than the current one
     ├── TaskAbandonedError          stored as the FAILURE of a task taken over too often
+    ├── LeaseUnavailableError       stored as the FAILURE of a task whose lease could not be
+    │                               taken, delivery after delivery
     └── LeaseScriptError            a lease script answered something this version does not know
 
     BaseException
@@ -28,6 +30,7 @@ __all__ = [
     "LeaseInterrupted",
     "LeaseLostError",
     "LeaseScriptError",
+    "LeaseUnavailableError",
     "StaleOwnerError",
     "TaskAbandonedError",
 ]
@@ -103,6 +106,12 @@ class TaskAbandonedError(FencedError):
     def of(cls, task_id: str) -> TaskAbandonedError:
         """The error stored for ``task_id``."""
         return cls(f"task {task_id} was taken over too many times and is abandoned")
+
+
+class LeaseUnavailableError(FencedError):
+    """Stored as the FAILURE of a task whose lease could not be acquired on any of its
+    deliveries (the worker sends a delivery again a bounded number of times): the message
+    names the last error, a Redis that keeps refusing a command for one."""
 
 
 class LeaseScriptError(FencedError):

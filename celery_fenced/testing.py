@@ -68,7 +68,7 @@ class FencedHelpers:
 
     def reap(self) -> Any:
         """Run one reaper pass; returns its ``ReapReport``."""
-        from .reaper import reap
+        from ._reaper.reaper import reap
 
         return reap(self.app)
 
@@ -78,8 +78,8 @@ class FencedHelpers:
 
         The previous stage then gets no progress for that long: a stall the heartbeat sees.
         """
+        from ._task.task import ProgressLeasedTask
         from .conf import normalise_stage
-        from .task import ProgressLeasedTask
 
         target = normalise_stage(stage)
         original = ProgressLeasedTask.progress

@@ -134,3 +134,82 @@ def test_bad_per_task_override_names_the_task() -> None:
 
     with pytest.raises(ConfigurationError, match=r"proj\.build_report\.heartbeat_interval"):
         ensure_conf(make_app()).policy_for(Bad())
+
+
+class _DjangoSettings:
+    CELERY_FENCED_LEASE_TTL = 40
+    CELERY_FENCED_HEARTBEAT_INTERVAL = 30
+
+
+def test_an_error_names_the_settings_as_the_project_wrote_them() -> None:
+    app = Celery("django-names", set_as_current=False)
+    app.config_from_object(_DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError) as info:
+        ensure_conf(app)
+    message = str(info.value)
+    assert message.startswith("CELERY_FENCED_HEARTBEAT_INTERVAL must be less than half of CELERY_FENCED_LEASE_TTL")
+    assert "\n" not in message and "fenced_heartbeat_interval" not in message
+
+
+def test_an_error_names_a_setting_left_out_as_the_project_would_write_it() -> None:
+    class Settings:
+        CELERY_FENCED_HEARTBEAT_INTERVAL = 20
+
+    app = Celery("django-names", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=r"of CELERY_FENCED_LEASE_TTL \(30 s\)"):
+        ensure_conf(app)
+    with pytest.raises(ConfigurationError, match=r"^fenced_reaper_interval must be"):
+        ensure_conf(make_app(fenced_reaper_interval=0))
+
+
+def test_the_defaults_are_read_from_app_conf_once_a_fenced_task_is_bound() -> None:
+    from celery_fenced import ProgressLeasedTask
+
+    app = make_app(fenced_lease_ttl=12)
+
+    @app.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def work(self: Any) -> None: ...
+
+    app.finalize()  # a worker's start, a send, app.tasks: the task is bound to the app
+    assert app.conf.fenced_reaper_interval == 5
+    assert app.conf.fenced_lease_ttl == 12
+    assert app.conf.fenced_stage_timeouts == {}
+    assert dict(app.conf.fenced_stage_timeouts) is not DEFAULTS["fenced_stage_timeouts"]
+
+
+def test_the_project_s_settings_win_over_the_defaults_in_app_conf_in_any_order() -> None:
+    from celery_fenced import install
+
+    before = Celery("configured-after", set_as_current=False)
+    install(before)
+    before.config_from_object(_DjangoSettings, namespace="CELERY")
+    assert before.conf.fenced_lease_ttl == 40 and before.conf.fenced_start_timeout == 60
+
+    after = Celery("configured-before", set_as_current=False)
+    after.config_from_object(_DjangoSettings, namespace="CELERY")
+    assert after.conf.get("fenced_lease_ttl") == 40
+    install(after)
+    assert after.conf.fenced_lease_ttl == 40 and after.conf.fenced_reaper_interval == 5
+    after.conf.fenced_reaper_interval = 2
+    assert after.conf.fenced_reaper_interval == 2
+
+    reconfigured = Celery("reconfigured", set_as_current=False)
+    install(reconfigured)
+    assert reconfigured.conf.fenced_requeue_timeout == 60
+    reconfigured.config_from_object({"fenced_requeue_timeout": 90})
+    assert reconfigured.conf.fenced_requeue_timeout == 90 and reconfigured.conf.fenced_takeover_grace == 0
+
+
+def test_an_unknown_django_setting_is_warned_with_the_name_meant_spelled_alike(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Settings:
+        CELERY_FENCED_STALL_CHEKS = 3
+
+    app = Celery("django-unknown", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with caplog.at_level("WARNING", logger="celery_fenced.conf"):
+        ensure_conf(app)
+    [message] = [r.getMessage() for r in caplog.records if "CELERY_FENCED_STALL_CHEKS" in r.getMessage()]
+    assert message.endswith("(did you mean CELERY_FENCED_STALL_CHECKS?)")

@@ -63,3 +63,56 @@ def test_all_is_sorted_existing_and_complete(name: str) -> None:
     assert not missing, f"{name}.__all__ names what it does not have: {missing}"
     unlisted = sorted(defined_here(module) - set(exported))
     assert not unlisted, f"{name} defines public names missing from __all__: {unlisted}"
+
+
+#: The package's public modules: everything else is in a private folder (``_lease``, ``_worker``…).
+PUBLIC_MODULES = {
+    "celery_fenced",
+    "celery_fenced.backend",
+    "celery_fenced.conf",
+    "celery_fenced.contrib",
+    "celery_fenced.contrib.django",
+    "celery_fenced.contrib.django.apps",
+    "celery_fenced.contrib.django.checks",
+    "celery_fenced.contrib.django.models",
+    "celery_fenced.contrib.flower",
+    "celery_fenced.contrib.flower.flowerconfig",
+    "celery_fenced.exceptions",
+    "celery_fenced.fencing",
+    "celery_fenced.harness",
+    "celery_fenced.metrics",
+    "celery_fenced.signals",
+    "celery_fenced.state",
+    "celery_fenced.task",
+    "celery_fenced.testing",
+    "celery_fenced.worker",
+    "celery_fenced.worker.request",
+}
+
+
+def test_every_module_outside_a_private_folder_is_a_public_one() -> None:
+    public = {name for name in modules() if not any(part.startswith("_") for part in name.split("."))}
+    assert public == PUBLIC_MODULES
+
+
+def test_the_public_names_are_the_package_s_own_and_the_kept_paths_name_the_same_objects() -> None:
+    for name in celery_fenced.__all__:
+        value = getattr(celery_fenced, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            # A stored result names an exception by its module: the one earlier versions stored.
+            assert value.__module__ == "celery_fenced.exceptions", name
+        else:
+            assert value.__module__ == "celery_fenced", name
+    kept = {
+        "celery_fenced.backend": ["FencedRedisBackend"],
+        "celery_fenced.task": ["ProgressLeasedTask", "StageBlock"],
+        "celery_fenced.state": ["Checkpoint", "LeaseState"],
+    }
+    for path, names in kept.items():
+        module = importlib.import_module(path)
+        for name in names:
+            assert getattr(module, name) is getattr(celery_fenced, name), f"{path}.{name}"
+    from celery_fenced._worker.request import FencedRequest as defined
+    from celery_fenced.worker.request import FencedRequest
+
+    assert FencedRequest is defined

@@ -27,7 +27,7 @@ POOL = os.environ.get("FENCED_CELERY_SUITE_POOL", "prefork")
 class FencedBackendLoader(AppLoader):
     """Celery's app loader, with the ``redis`` backend alias served by the fenced backend."""
 
-    override_backends = {"redis": "celery_fenced.backend:FencedRedisBackend"}
+    override_backends = {"redis": "celery_fenced._backend.backend:FencedRedisBackend"}
 
 
 @pytest.fixture(scope="session")

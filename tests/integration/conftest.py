@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import redis
 
-from celery_fenced.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
-from celery_fenced.finished import fence_of
-from celery_fenced.keys import KeySpace
+from celery_fenced._celery.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
+from celery_fenced._lease.finished import fence_of
+from celery_fenced._lease.keys import KeySpace
 from tests.support.processes import CeleryProcess, wait_until
 from tests.support.redis_server import RedisServer, default_binary
 

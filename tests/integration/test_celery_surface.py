@@ -6,15 +6,19 @@ forever (the test times out), a task is lost, or a stale write lands.
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import uuid
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from celery import chain, chord
 
 from tests.integration.conftest import Cluster, lease, stored
-from tests.support.processes import CeleryProcess, wait_until
+from tests.support.processes import ROOT, CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +26,7 @@ pytestmark = pytest.mark.integration
 # -- replace() --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "expected"), [("fenced", 5), ("plain", 23), ("group", [2, 4])])
+@pytest.mark.parametrize(("kind", "expected"), [("fenced", 5), ("plain", 23), ("chain", 5), ("group", [2, 4])])
 def test_replace_passes_the_task_id_to_its_replacement(cluster: Cluster, kind: str, expected: object) -> None:
     app = cluster.app()
     cluster.worker("w1")
@@ -78,7 +82,7 @@ def test_a_stale_owner_error_of_the_body_is_stored_as_its_failure(cluster: Clust
 
     app = cluster.app()
     cluster.worker("w1")
-    fenced_set(cluster.record, "row:1", "by a newer task", 10**9)
+    fenced_set(cluster.record, "row:1", "by a newer task", 2**62)  # above any token the clock gives
     result = app.write_row.delay("row:1")
     with pytest.raises(StaleOwnerError):
         result.get(timeout=20)
@@ -147,7 +151,8 @@ def test_an_expired_duplicates_revoke_does_not_end_the_live_owner(cluster: Clust
     wait_until(lambda: discarded in worker.log(), 20, "the expired copy to be discarded")
     assert lease(cluster, task_id)["status"] == "RUNNING"
     cluster.wake(task_id)
-    assert app.progress_until_told.AsyncResult(task_id).get(timeout=20) == "told 1"
+    [run] = cluster.runs(task_id)
+    assert app.progress_until_told.AsyncResult(task_id).get(timeout=20) == f"told {run['token']}"
 
 
 # -- the heartbeat and retries ---------------------------------------------------------------------
@@ -160,8 +165,9 @@ def test_a_short_lease_that_starts_on_an_idle_process_is_renewed(cluster: Cluste
     cluster.worker("w1", pool="solo", concurrency=1, fenced_lease_ttl=40, fenced_heartbeat_interval=15)
     assert app.fenced_add.delay(1, 2).get(timeout=20) == 3
     result = app.short_lease.delay(20)  # 4 s of progress, TTL 1.5 s
-    assert result.get(timeout=20) == "short 2"
-    assert len(cluster.runs(result.id)) == 1
+    value = result.get(timeout=20)
+    [run] = cluster.runs(result.id)
+    assert value == f"short {run['token']}"
     assert lease(cluster, result.id)["takeovers"] == "0"
 
 
@@ -215,8 +221,9 @@ def test_a_vanished_lease_is_restored_by_its_owner_who_finishes(cluster: Cluster
     cluster.results.delete(KEYS.lease(result.id))
     wait_until(lambda: "restoredAt" in lease(cluster, result.id), 10, "the owner to restore its lease")
     cluster.wake(result.id)
-    assert result.get(timeout=20) == "told 1"
-    assert len(cluster.runs(result.id)) == 1
+    value = result.get(timeout=20)
+    [run] = cluster.runs(result.id)
+    assert value == f"told {run['token']}"
     assert lease(cluster, result.id)["status"] == "DONE"
 
 
@@ -328,3 +335,49 @@ def test_a_task_waiting_in_a_long_queue_is_never_abandoned(cluster: Cluster) -> 
     assert result.get(timeout=30).endswith(" q")  # the woken first attempt's, or a queued copy's
     wait_until(lambda: lease(cluster, result.id)["status"] == "DONE", 10, "the lease to end")
     assert lease(cluster, result.id)["takeovers"] == "1"
+
+
+# -- a client's exit --------------------------------------------------------------------------
+
+
+def readme_program() -> str:
+    """The whole program the README's *Use it* section shows (``proj.py``)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Use it") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_a_client_that_waited_on_fenced_results_exits_without_a_traceback(cluster: Cluster, tmp_path: Path) -> None:
+    """The README's program and client, on a real worker: get() a result, and give up waiting
+    on one no worker has taken yet. Its ``AsyncResult`` is collected while Python shuts down:
+    nothing is printed then (no ``Exception ignored in: AsyncResult.__del__ … sys.meta_path
+    is None``: leaving the subscription then connected again, and imported)."""
+    (tmp_path / "proj.py").write_text(readme_program())
+    env = {
+        **cluster.env(),
+        "REDIS_URL": cluster.server.url(0).rsplit("/", 1)[0],
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
+    }
+    # A README user has no Django settings; with them, Celery's Django fix-up imports Django,
+    # and the order in which Python tears modules down at exit hid the traceback.
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    worker = CeleryProcess(
+        "proj", ["-A", "proj", "worker", "-P", "solo", "-l", "INFO"], env, tmp_path / "proj.log", " ready."
+    )
+    cluster.processes.append(worker)
+    worker.wait_ready()
+    client = (
+        "from celery.exceptions import TimeoutError\n"
+        "from proj import build_report\n"
+        "print(build_report.delay(10).get(timeout=30)['summary'])\n"
+        "waiting = build_report.apply_async((10,), queue='nobody')\n"
+        "try:\n"
+        "    waiting.get(timeout=1.5)\n"
+        "except TimeoutError:\n"
+        "    print('not taken yet')\n"
+    )
+    for _ in range(3):  # it showed every time: three runs rule out luck
+        done = subprocess.run(
+            [sys.executable, "-c", client], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (0, "45\nnot taken yet\n", "")

@@ -156,3 +156,29 @@ def test_tokens_after_a_failover_that_lost_writes_are_above_every_token_before_i
     assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == runs[-1]["token"]
     assert lease(cluster, zombie.id)["status"] == "DONE"
     print(f"failover: the first task sent after the primary was killed finished {recovery:.1f} s after it")
+
+
+def test_a_first_failover_to_a_replica_that_never_received_the_counter_hands_out_later_tokens(
+    failover_cluster: Cluster, replicated: ReplicatedRedis
+) -> None:
+    cluster = failover_cluster
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    replicated.wait_replicated()  # the worker's queues, not one token: the counter is not there yet
+    assert not cluster.results.exists(KEYS.token)
+    replicated.proxy.hold()
+    lost_ones = [app.fenced_add.delay(n, 2) for n in range(10)]
+    all_succeed(cluster, lost_ones, 30)
+    before = tokens_of(cluster, [r.id for r in lost_ones])
+
+    replicated.kill_primary()
+    first_after = app.fenced_add.apply_async((100, 1), retry_policy=THROUGH_A_FAILOVER)
+    assert first_after.get(timeout=60) == 101
+    replicated.wait_promoted()
+    with replicated.replica.client(BACKEND_DB) as promoted:
+        assert not promoted.exists(KEYS.result(lost_ones[0].id))  # the writes were lost indeed
+
+    after_ones = [app.fenced_add.delay(n, 3) for n in range(10)]
+    all_succeed(cluster, after_ones, 30)
+    after = tokens_of(cluster, [first_after.id] + [r.id for r in after_ones])
+    assert min(after) > max(before), (before, after)

@@ -51,14 +51,15 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
         assert column in header
     assert "RUNNING" in row and "load-data" in row and "w1@" in row
     [as_json] = [json.loads(line) for line in cluster.cli("status", "--json").stdout.splitlines()]
-    assert as_json["task_id"] == result.id and as_json["token"] == 1 and as_json["seconds_left"] > 0
+    token = int(cluster.results.get(KEYS.token))  # type: ignore[arg-type]  # the one handed out
+    assert as_json["task_id"] == result.id and as_json["token"] == token and as_json["seconds_left"] > 0
     wait_until(lambda: lease(cluster, result.id).get("details"), 10, "the first details to be published")
     inspected = json.loads(cluster.cli("inspect", "--json", result.id).stdout)
-    assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == 1
+    assert inspected["status"] == "RUNNING" and inspected["ownerToken"] == token
     assert inspected["details"]["note"] == "é" and inspected["details"]["polls"] >= 1
     assert inspected["call"]["task"] == "tests.integration.apps.fenced_app.progress_until_told"
     readable = cluster.cli("inspect", result.id).stdout
-    assert re.search(r"^  ownerToken +1$", readable, re.M), readable
+    assert re.search(rf"^  ownerToken +{token}$", readable, re.M), readable
     assert re.search(r'^  details +\{"note": "é", "polls": \d+\}$', readable, re.M), readable
     assert re.search(r"^  lastProgressAt +20\d\d-\d\d-\d\dT[0-9:.]+Z \(\d+\.\ds ago\)$", readable, re.M), readable
     assert "  call:\n    tests.integration.apps.fenced_app.progress_until_told(\n    )" in readable, readable
@@ -163,20 +164,88 @@ def test_flower_shows_lease_fields_and_ignores_the_zombie(cluster: Cluster) -> N
     assert "Traceback" not in flower.log()
 
 
+def flower_task(base: str, task_id: str) -> dict:  # type: ignore[type-arg]
+    """``/api/task/info/<id>``, or ``{}`` while Flower has not heard of the task."""
+    response = httpx.get(f"{base}/api/task/info/{task_id}", timeout=5)
+    return response.json() if response.status_code == 200 else {}
+
+
+def flower_heard(base: str, event_type: str, times: int = 1) -> bool:
+    """Flower received ``event_type`` (any task) at least ``times`` times."""
+    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    counts = re.findall(rf'^flower_events_total\{{task="[^"]*",type="{event_type}",[^}}]*\}} ([0-9.]+)$', metrics, re.M)
+    return sum(float(count) for count in counts) >= times
+
+
+def outcomes(task: dict) -> list[str]:  # type: ignore[type-arg]
+    return [attempt["outcome"] for attempt in task.get("attempts") or []]
+
+
 def test_flower_shows_a_cancelled_task_as_revoked(cluster: Cluster) -> None:
     _, base = start_flower(cluster)
     app = cluster.app()
     cluster.worker("w1")
     result = app.progress_until_told.delay()
+    wait_until(lambda: flower_task(base, result.id).get("token"), 20, "Flower to hear of the running attempt")
+    cancelled = cluster.cli("cancel", result.id)
+    assert (cancelled.stdout, cancelled.stderr) == (f"{result.id}: cancelled\n", "")
+    shown = wait_until(
+        lambda: (t := flower_task(base, result.id)).get("state") == "REVOKED" and t, 10, "Flower to show REVOKED"
+    )
+    assert outcomes(shown) == ["cancelled"]  # type: ignore[arg-type]
+    assert shown["attempts"][0]["reason"] == "cancelled (celery fenced cancel)"  # type: ignore[index]
+    assert shown["worker"].startswith("w1@")  # type: ignore[index]
+    wait_until(lambda: flower_heard(base, "task-lease-lost"), 15, "the owner to tell Flower of its lost lease")
+    assert outcomes(flower_task(base, result.id)) == ["cancelled"]
+    assert flower_task(base, result.id)["state"] == "REVOKED"
 
-    def task() -> dict:  # type: ignore[type-arg]
-        response = httpx.get(f"{base}/api/task/info/{result.id}", timeout=5)
-        return response.json() if response.status_code == 200 else {}
 
-    wait_until(lambda: task().get("token"), 20, "Flower to hear of the running attempt")
-    assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
-    shown = wait_until(lambda: (t := task()).get("state") == "REVOKED" and t, 20, "Flower to show REVOKED")
-    assert shown["attempts"][0]["outcome"] == "cancelled"  # type: ignore[index]
+def test_flower_follows_abandon_redrive_and_cancel_at_once(cluster: Cluster) -> None:
+    """Each step shows what the backend stores as soon as it is stored, though Celery's order of
+    states keeps a FAILURE against a later REVOKED or STARTED."""
+    flower, base = start_flower(cluster)
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    task_id = app.abandoned_then_progresses.delay().id
+
+    def shows(state: str, what: str, timeout: float = 20) -> dict:  # type: ignore[type-arg]
+        return wait_until(lambda: (t := flower_task(base, task_id)).get("state") == state and t, timeout, what)  # type: ignore[no-any-return]
+
+    wait_until(lambda: lease(cluster, task_id).get("status") == "ABANDONED", 20, "the task to be abandoned")
+    abandoned = shows("FAILURE", "Flower to show the abandoned task's FAILURE")
+    assert "TaskAbandonedError" in abandoned["exception"] and outcomes(abandoned) == ["abandoned"]
+
+    cluster.results.hset(KEYS.lease(task_id), "maxTakeovers", 3)  # the operator raised the limit
+    redriven = cluster.cli("redrive", task_id)
+    assert (redriven.stdout, redriven.stderr) == (f"{task_id}: redriven\n", "")
+    left = wait_until(
+        lambda: (t := flower_task(base, task_id)).get("state") in ("TAKEOVER", "STARTED") and t,
+        10,
+        "Flower to leave the FAILURE the redrive removed",
+    )
+    assert not left.get("exception")  # type: ignore[union-attr]
+    running = wait_until(
+        lambda: (t := flower_task(base, task_id)).get("state") == "STARTED" and outcomes(t)[-1:] == ["running"] and t,
+        20,
+        "Flower to show the new attempt running",
+    )
+    assert outcomes(running) == ["abandoned", "running"]  # type: ignore[arg-type]
+    assert running["attempts"][1]["token"] == int(lease(cluster, task_id)["ownerToken"])  # type: ignore[index]
+
+    cancelled = cluster.cli("cancel", task_id)
+    assert (cancelled.stdout, cancelled.stderr) == (f"{task_id}: cancelled\n", "")
+    revoked = shows("REVOKED", "Flower to show REVOKED", timeout=10)
+    assert outcomes(revoked) == ["abandoned", "cancelled"]
+    assert stored(cluster, task_id)["status"] == "REVOKED"  # type: ignore[index]
+
+    # The owner learns of it at its next renewal, and the zombie wakes: their news changes nothing.
+    wait_until(lambda: cluster.record.llen(f"lost:{task_id}"), 15, "the running owner to learn of the cancel")
+    cluster.wake(task_id)
+    wait_until(lambda: flower_heard(base, "task-fenced"), 15, "Flower to hear the zombie's refused write")
+    wait_until(lambda: flower_heard(base, "task-lease-lost"), 15, "Flower to hear the owner's lost lease")
+    final = flower_task(base, task_id)
+    assert final["state"] == "REVOKED" and outcomes(final) == ["abandoned", "cancelled"]
+    assert "Traceback" not in flower.log()
 
 
 def test_flower_shows_a_task_cancelled_while_nobody_runs_it_as_revoked(cluster: Cluster) -> None:
@@ -250,6 +319,12 @@ def test_flower_task_page_screenshot_after_a_takeover(cluster: Cluster, tmp_path
         return bool(shows_token.search(text)) and "write-refused" in text and "succeeded" in text
 
     wait_until(the_whole_story, 20, "the task page to show the new token and both attempts")
+    # The story comes first: the lease rows and the attempts above Flower's own table.
+    html = httpx.get(page, timeout=5).text
+    flowers_table = html.index("task-details-card")
+    assert html.index("fenced-lease-card") < html.index("fenced-attempts") < flowers_table, html
+    assert shows_token.search(html[:flowers_table]) and not shows_token.search(html[flowers_table:]), html
+    assert html.index(">Status</dt>") > flowers_table  # Flower's own rows stay in its table
     picture = tmp_path / "flower-task.png"
     subprocess.run(
         [

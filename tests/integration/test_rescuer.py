@@ -41,7 +41,7 @@ def test_every_process_of_every_worker_stuck_all_tasks_taken_over(cluster: Clust
             ["LeaseInterrupted"],
             ["_AsyncLeaseInterrupted"],
         )
-    for result in results:  # three reapers (two workers and beat's message) re-sent each task once
+    for result in results:  # three reapers (two workers' threads and beat's own pass) re-sent each task once
         assert len(cluster.runs(result.id)) == 2
         assert lease(cluster, result.id)["takeovers"] == "1"
     for worker in workers:

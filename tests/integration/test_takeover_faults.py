@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from celery_fenced.control import cancel, redrive
-from celery_fenced.reaper import reap
+from celery_fenced._operator.control import cancel, redrive
+from celery_fenced._reaper.reaper import reap
 from tests.integration.conftest import KEYS, Cluster, lease, rabbitmq_url, stored
 from tests.support.processes import wait_until
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_fenced.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
+from celery_fenced._celery.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH
 from tests.integration.conftest import Cluster
 from tests.support.processes import wait_until
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -18,9 +19,9 @@ import redis
 from celery import Celery, signals
 
 from celery_fenced import LeaseLostError, ProgressLeasedTask, install
-from celery_fenced.compat import CELERY_VERSION
+from celery_fenced._celery.compat import CELERY_VERSION
+from celery_fenced._worker.attempt import attempt_of
 from celery_fenced.exceptions import LeaseInterrupted
-from celery_fenced.worker.attempt import attempt_of
 
 app = Celery("fenced_app")
 app.conf.update(
@@ -57,6 +58,24 @@ if os.environ.get("FENCED_TEST_HOLD_BEFORE_LEASE"):
     def hold_before_lease(task_id: str | None = None, **_: Any) -> None:
         record().set(f"before-lease:{task_id}", os.getpid())
         wait_for_key(f"release-before-lease:{task_id}", 60)
+
+
+if os.environ.get("FENCED_TEST_FREEZE_ON_PUBLISH"):
+    # The fault: a process that publishes a message whose parent is a task id named by the key
+    # ``freeze-publish:<parent id>`` stops itself (SIGSTOP) right before the message goes out,
+    # once: an owner frozen between its last lease check and the send of its callbacks or its
+    # chain's next step (a VM pause, a GC pause, a broker that holds the publish).
+    # ``freeze-publish-of:<task id>`` does the same for a message of that task id itself (a
+    # retry's message).
+    @signals.before_task_publish.connect(weak=False)
+    def freeze_before_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        parent, own = (headers or {}).get("parent_id"), (headers or {}).get("id")
+        if parent and record().delete(f"freeze-publish:{parent}"):
+            record().rpush(f"frozen-publish:{parent}", os.getpid())
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif own and record().delete(f"freeze-publish-of:{own}"):
+            record().rpush(f"frozen-publish-of:{own}", os.getpid())
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 install(app)
@@ -495,8 +514,8 @@ def stream_ai(self: Any, url: str, inject: str, first: float, idle: float, total
 
 @app.task(bind=True, base=ProgressLeasedTask)
 def replaced_by(self: Any, kind: str) -> Any:
-    """Replaces itself: by a fenced task, a plain task, or a group."""
-    from celery import group
+    """Replaces itself: by a fenced task, a plain task, a chain or a group."""
+    from celery import chain, group
 
     note_run(self)
     self.progress("load-data")
@@ -504,6 +523,10 @@ def replaced_by(self: Any, kind: str) -> Any:
         return self.replace(fenced_add.s(2, 3))
     if kind == "plain":
         return self.replace(plain_add.s(20, 3))
+    if kind == "unsendable":  # a replacement whose message cannot be sent (its argument is no JSON)
+        return self.replace(replacement_run.s(self.request.id, object()))
+    if kind == "chain":  # the chain's last task runs under the task id
+        return self.replace(chain(fenced_add.s(1, 1), fenced_add.s(3)))
     return self.replace(group(fenced_add.s(1, 1), plain_add.s(2, 2)))
 
 
@@ -532,6 +555,26 @@ def write_row(self: Any, key: str) -> str:
     note_run(self)
     fenced_set(record(), key, f"by {self.fencing_token}", self.fencing_token)
     return "written"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, max_takeovers=0, interrupt_on_loss=False)
+def abandoned_then_progresses(self: Any) -> str:
+    """The first attempt stalls (no progress until woken) and is abandoned at once; a later
+    attempt (after a redrive) progresses until ``told:<id>`` is set."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        wait_for_key(f"wake:{self.request.id}", 60)
+        return "zombie"
+    deadline = time.monotonic() + 60
+    while not record().exists(f"told:{self.request.id}") and time.monotonic() < deadline:
+        try:
+            self.progress("call-ai")
+        except LeaseLostError as exc:
+            record().rpush(f"lost:{self.request.id}", exc.reason)
+            return "lost"
+        time.sleep(0.1)
+    return f"told {self.fencing_token}"
 
 
 @app.task(bind=True, base=ProgressLeasedTask, max_takeovers=1, interrupt_on_loss=False)
@@ -646,3 +689,185 @@ def hogs_the_hub(self: Any, seconds: float) -> str:
         self.progress("persist-result")
         return "the hog"
     return f"owner {self.fencing_token}"
+
+
+# -- bodies that never finish: time limits, revoke, cold shutdown, SystemExit ------------------
+
+
+def _progress_for(task: Any, seconds: float) -> None:
+    """Progress every 0.1 s for ``seconds`` (a healthy body, as long as it is left to run)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if task is not None:
+            task.progress("load-data")
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def healthy_for(self: Any, seconds: float) -> str:
+    """Progresses for ``seconds``; each run is recorded (a run started again reruns it all)."""
+    note_run(self)
+    _progress_for(self, seconds)
+    record().rpush(f"finished:{self.request.id}", self.fencing_token)
+    return f"healthy by {self.fencing_token}"
+
+
+@app.task(bind=True)
+def plain_healthy_for(self: Any, seconds: float) -> str:
+    """A plain task that runs ``seconds``: what Celery itself stores, to compare with."""
+    record().rpush(f"runs:{self.request.id}", json.dumps({"pid": os.getpid(), "started": time.time()}))
+    _progress_for(None, seconds)
+    return "plain healthy"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def exits_once(self: Any, kind: str) -> str:
+    """The first run raises ``SystemExit`` (``kind`` "exit") or ``KeyboardInterrupt``; later runs return."""
+    note_run(self)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        raise SystemExit(3) if kind == "exit" else KeyboardInterrupt()
+    return f"finished by {self.fencing_token}"
+
+
+@app.task(bind=True)
+def plain_exits(self: Any, kind: str) -> str:
+    """A plain task whose body raises ``SystemExit`` or ``KeyboardInterrupt``."""
+    raise SystemExit(3) if kind == "exit" else KeyboardInterrupt()
+
+
+# -- hand-off and forget --------------------------------------------------------------------------
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def replaced_after_hold(self: Any) -> Any:
+    """Replaces itself by :func:`replacement_run`; the first attempt holds first, until told to
+    wake (the test freezes its worker meanwhile). What each attempt's ``replace()`` did is recorded."""
+    from celery.exceptions import Ignore
+
+    note_run(self)
+    self.progress("slow-stage")
+    token = self.fencing_token
+    task_id = self.request.id
+    if record().llen(f"runs:{task_id}") == 1:
+        record().rpush(f"holding:{task_id}", token)
+        wait_for_key(f"wake:{task_id}", 60)
+    try:
+        return self.replace(replacement_run.s(task_id, token))
+    except Ignore:
+        record().rpush(f"replace-sent:{task_id}", token)
+        raise
+    except LeaseLostError:
+        record().rpush(f"replace-refused:{task_id}", token)
+        raise
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def replacement_run(self: Any, task_id: str, from_token: int) -> int:
+    """A replacement: records which owner's hand-off sent it."""
+    record().rpush(f"replacement:{task_id}", f"from-token={from_token}")
+    return from_token
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def noted_add(self: Any, x: int, y: int) -> int:
+    """A short fenced task that records each run of its body."""
+    note_run(self)
+    return x + y
+
+
+@app.task(bind=True, base=ProgressLeasedTask, retry_on_worker_lost=True, default_retry_delay=4, max_retries=3)
+def killed_then_retried(self: Any) -> str:
+    """The first run kills its own process (SIGKILL: an OOM kill, say); Celery 5.7's
+    ``retry_on_worker_lost`` retries it after ``default_retry_delay``. Each run records its
+    ``retries``."""
+    note_run(self, retries=self.request.retries)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return f"retried {self.request.retries}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, max_retries=5)
+def retry_with_cursor(self: Any, cursor: int, countdown: float) -> str:
+    """Works through a cursor, one step per run: each run but the last retries with the next
+    cursor (the work of the run done, the retry carries on from it)."""
+    note_run(self, cursor=cursor, retries=self.request.retries)
+    self.progress("load-data", cursor=cursor)
+    if cursor < 1:
+        raise self.retry(args=(cursor + 1, countdown), countdown=countdown)
+    return f"cursor {cursor} after {self.request.retries} retries"
+
+
+@app.task(bind=True, base=ProgressLeasedTask, time_limit=2, acks_late=True, acks_on_failure_or_timeout=False)
+def over_time_first_run(self: Any) -> str:
+    """The first run outlives its hard time limit; later runs return at once."""
+    note_run(self)
+    if record().llen(f"runs:{self.request.id}") == 1:
+        for _ in range(100):
+            time.sleep(0.1)
+            self.progress("load-data")
+    return "in time"
+
+
+@app.task(bind=True, time_limit=2, acks_late=True, acks_on_failure_or_timeout=False)
+def plain_over_time_first_run(self: Any) -> str:
+    """:func:`over_time_first_run`, as a plain task."""
+    record().rpush(f"runs:{self.request.id}", json.dumps({"pid": os.getpid()}))
+    if record().llen(f"runs:{self.request.id}") == 1:
+        time.sleep(10)
+    return "in time"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def fails_when_woken(self: Any) -> None:
+    """Progresses until told to wake, then does its side effect and fails: its own error."""
+    note_run(self)
+    deadline = time.monotonic() + 60
+    while not record().exists(f"wake:{self.request.id}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        self.progress("load-data")
+    self.progress("load-data")
+    record().rpush(f"finished:{self.request.id}", self.fencing_token)
+    raise ValueError("failed by its own error")
+
+
+class SendsTwiceAfterBody(ProgressLeasedTask):
+    """Sends ``chain_step("twice")`` under one task id twice from ``on_success`` (after the
+    body returned), the second once the first has finished: as Celery runs a finished task id
+    applied again, both sends run."""
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        child_id = f"{task_id}-child"
+        chain_step.apply_async(("twice",), task_id=child_id)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.AsyncResult(child_id).state != "SUCCESS":
+            time.sleep(0.05)
+        chain_step.apply_async(("twice",), task_id=child_id)
+
+
+@app.task(bind=True, base=SendsTwiceAfterBody)
+def sends_twice_after_body(self: Any) -> str:
+    """Its ``on_success`` sends one task id twice (:class:`SendsTwiceAfterBody`)."""
+    note_run(self)
+    return "sent"
+
+
+@signals.after_task_publish.connect(weak=False)
+def pause_after_sending_a_retry(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """The fault: the process that sent the retry of a task id named by the key
+    ``pause-after-retry:<task id>`` pauses 1.5 s right after the send, once (a GC pause, a slow
+    Redis): Celery's main process sends ``retry_on_worker_lost``'s retry before it stores RETRY."""
+    task_id, retries = (headers or {}).get("id"), (headers or {}).get("retries") or 0
+    if task_id and retries and record().delete(f"pause-after-retry:{task_id}"):
+        time.sleep(1.5)
+
+
+@app.task(bind=True, base=ProgressLeasedTask, retry_on_worker_lost=True, default_retry_delay=0, max_retries=3)
+def killed_then_retried_at_once(self: Any) -> str:
+    """:func:`killed_then_retried` with no retry delay."""
+    note_run(self, retries=self.request.retries)
+    self.progress("load-data")
+    if record().llen(f"runs:{self.request.id}") == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return f"retried {self.request.retries}"

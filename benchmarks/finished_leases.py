@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kombu.utils.json import dumps
 
 from benchmarks._harness import Harness
-from celery_fenced.finished import FENCE_RUN, run_text
+from celery_fenced._lease.finished import FENCE_RUN, run_text
 
 BATCH = 2000
 EXPIRES_MS = 86_400_000

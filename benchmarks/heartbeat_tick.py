@@ -23,11 +23,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import Harness
+from celery_fenced._lease.keys import KeySpace
+from celery_fenced._lease.store import LeaseStore
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._worker.heartbeat import Heartbeat
 from celery_fenced.conf import FencedConfig
-from celery_fenced.heartbeat import Heartbeat
-from celery_fenced.keys import KeySpace
-from celery_fenced.owner import OwnedLease
-from celery_fenced.store import LeaseStore
 
 
 class QuietListener:

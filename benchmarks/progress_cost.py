@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import Harness
 from celery_fenced import ProgressLeasedTask
+from celery_fenced._task.owner import OwnedLease
+from celery_fenced._task.running import set_current_lease
 from celery_fenced.conf import ensure_conf
-from celery_fenced.owner import OwnedLease, set_current_lease
 
 
 def time_per_call(fn, calls: int, rounds: int) -> float:  # type: ignore[no-untyped-def]

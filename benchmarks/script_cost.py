@@ -43,10 +43,10 @@ import redis
 from benchmarks._harness import Harness
 from benchmarks.floor import floor_scripts
 from benchmarks.throughput import redis_counters
-from celery_fenced.finished import FENCE_RUN, run_text
+from celery_fenced._lease.finished import FENCE_RUN, run_text
+from celery_fenced._lease.keys import KeySpace
+from celery_fenced._lease.store import LeaseStore
 from celery_fenced.harness import default_binary, free_port, wait_until
-from celery_fenced.keys import KeySpace
-from celery_fenced.store import LeaseStore
 
 #: A recorded call as the acquire of the throughput benchmark's task sends it.
 CALL = {

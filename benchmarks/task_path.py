@@ -47,8 +47,8 @@ def tracer_loop(which: str) -> Any:
     from celery.app.trace import build_tracer
 
     from benchmarks import bench_app, bench_plain
-    from celery_fenced import events
-    from celery_fenced.worker import lifecycle
+    from celery_fenced._telemetry import events
+    from celery_fenced._worker import lifecycle
 
     time.sleep = lambda seconds: None  # type: ignore[assignment]  # the body's sleep is not measured
     # Logging as a worker run with "-l INFO" does it (Celery logs each task's success).

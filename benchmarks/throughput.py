@@ -194,7 +194,7 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
     send_and_wait(task, count, 0.002)
     harness.client.echo(stop)
     thread.join(30)
-    from celery_fenced.scripts import SCRIPT_NAMES, script_source
+    from celery_fenced._lease.scripts import SCRIPT_NAMES, script_source
 
     script_of = {hashlib.sha1(script_source(name).encode()).hexdigest(): name for name in SCRIPT_NAMES}
     trips = 0
@@ -229,7 +229,7 @@ def round_trips_per_task(harness: Harness, task, count: int) -> dict[str, float]
 
 def renew_round_trips(harness: Harness) -> list[tuple[int, int]]:
     from benchmarks import bench_app
-    from celery_fenced.state import ProgressReport, RenewRequest
+    from celery_fenced._lease.state import ProgressReport, RenewRequest
 
     store = bench_app.app.backend.lease_store
     rows = []

@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from celery_fenced import scripts
+from celery_fenced._lease import scripts
 
 __all__ = ["FLOOR_SCRIPTS", "floor_scripts", "use_floor_scripts"]
 

@@ -4,7 +4,7 @@
 
 1. Builds the sdist and the wheel (``python -m build``, the wheel from the sdist), checks
    their metadata (``twine check``) and that the wheel carries every ``.lua`` script,
-   ``py.typed`` and the alert rules.
+   ``py.typed``, the alert rules and the LICENSE (the sdist the CHANGELOG too).
 2. Installs the wheel with no extras into a fresh virtual environment and runs the README's
    "Use it" program, taken from the README itself, with the README's own commands: a real
    worker (with beat) against a private ``redis-server`` runs the task under a lease, the
@@ -256,15 +256,21 @@ def build(work: Path) -> Path:
     run([tools.bin / "twine", "check", "--strict", *artefacts], env=tools.env())
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
-    wanted = {f"celery_fenced/scripts/{p.name}" for p in (ROOT / "celery_fenced" / "scripts").glob("*.lua")}
-    wanted.update(("celery_fenced/py.typed", "celery_fenced/celery-fenced-rules.yml"))
+    wanted = {
+        f"celery_fenced/_lease/scripts/{p.name}" for p in (ROOT / "celery_fenced" / "_lease" / "scripts").glob("*.lua")
+    }
+    wanted.update(("celery_fenced/py.typed", "celery_fenced/_operator/celery-fenced-rules.yml"))
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(wanted - in_wheel)
+    if not any(
+        name.endswith(".dist-info/LICENSE") or name.endswith(".dist-info/licenses/LICENSE") for name in in_wheel
+    ):
+        missing.append("LICENSE")
     if missing:
         raise CheckFailed(f"the wheel lacks {missing}")
     with tarfile.open(sdist) as archive:
         in_sdist = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    missing = sorted(wanted - in_sdist)
+    missing = sorted((wanted | {"LICENSE", "CHANGELOG.md"}) - in_sdist)
     if missing:
         raise CheckFailed(f"the sdist lacks {missing}")
     return wheel

@@ -103,16 +103,30 @@ def test_the_public_names_are_the_package_s_own_and_the_kept_paths_name_the_same
             assert value.__module__ == "celery_fenced.exceptions", name
         else:
             assert value.__module__ == "celery_fenced", name
-    kept = {
+    for path, names in {
         "celery_fenced.backend": ["FencedRedisBackend"],
         "celery_fenced.task": ["ProgressLeasedTask", "StageBlock"],
         "celery_fenced.state": ["Checkpoint", "LeaseState"],
-    }
-    for path, names in kept.items():
+    }.items():
         module = importlib.import_module(path)
         for name in names:
             assert getattr(module, name) is getattr(celery_fenced, name), f"{path}.{name}"
-    from celery_fenced._worker.request import FencedRequest as defined
-    from celery_fenced.worker.request import FencedRequest
 
-    assert FencedRequest is defined
+
+#: The kept import paths (re-export modules, tested here and nowhere else), each with the private
+#: module whose names it re-exports.
+KEPT_PATHS = {
+    "celery_fenced.backend": "celery_fenced._backend.backend",
+    "celery_fenced.metrics": "celery_fenced._telemetry.metrics",
+    "celery_fenced.state": "celery_fenced._lease.state",
+    "celery_fenced.task": "celery_fenced._task.task",
+    "celery_fenced.worker.request": "celery_fenced._worker.request",
+}
+
+
+@pytest.mark.parametrize(("path", "private"), sorted(KEPT_PATHS.items()))
+def test_a_kept_path_names_the_objects_of_its_private_module(path: str, private: str) -> None:
+    kept, defined = importlib.import_module(path), importlib.import_module(private)
+    assert kept.__all__, f"{path} re-exports nothing"
+    for name in kept.__all__:
+        assert getattr(kept, name) is getattr(defined, name), f"{path}.{name}"

@@ -1,4 +1,5 @@
-"""Real Celery worker, beat and Flower processes for integration tests.
+"""Real Celery worker, beat and Flower processes for integration tests, and a forked child for
+the tests of what a fork keeps.
 
 Each process runs in its own process group (so a SIGKILL or SIGSTOP reaches the whole
 worker, children included), writes its log to a file the test can read, and is stopped at
@@ -8,17 +9,22 @@ the end of the test whatever happened.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from celery_fenced.harness import wait_until
 
-__all__ = ["CeleryProcess", "run_project_python", "wait_until"]
+__all__ = ["CeleryProcess", "in_a_forked_child", "run_project_python", "wait_until"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +35,50 @@ def run_project_python(argv: list[str], env: dict[str, str], timeout: float) -> 
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     return output
+
+
+def in_a_forked_child(check: Callable[[], dict[str, object]], timeout: float = 10.0) -> dict[str, object]:
+    """Fork this process: the child runs ``check``, sends its answer (JSON) through a pipe and
+    leaves at once, running nothing of pytest's; the answer. Every wait is bounded by ``timeout``.
+
+    Python 3.12+ warns (a ``DeprecationWarning``, an error under this suite's filters) when a
+    process with threads forks; the fork is what is tested, so that warning is not raised.
+    """
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            try:
+                answer = json.dumps(check())
+            except BaseException as exc:  # told to the parent, whatever it was
+                answer = json.dumps({"the child raised": repr(exc)})
+            os.write(write, answer.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([read], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise AssertionError(f"the forked child did not answer within {timeout:g}s")
+            chunk = os.read(read, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        wait_until(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, timeout, "the forked child to exit")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(read)
+    answer: dict[str, object] = json.loads(b"".join(chunks))
+    return answer
 
 
 class CeleryProcess:

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from celery_fenced._telemetry.names import NameMemo
 from celery_fenced._telemetry.process import TELEMETRY
 from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced._worker.runtime import runtime_of, runtimes
+from tests.support.processes import in_a_forked_child
 
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_fenced"
 
@@ -79,23 +80,6 @@ def test_a_process_that_sends_tasks_loads_no_worker_module_and_registers_no_fork
     assert seen == {"worker_modules": [], "fork_handlers": []}
 
 
-def _in_a_forked_child(check: Callable[[], dict[str, object]]) -> dict[str, object]:
-    """Fork; the child runs ``check`` and sends its JSON back."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave at once, running nothing of pytest's
-        try:
-            os.write(write, json.dumps(check()).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answer = pipe.read()
-    os.waitpid(pid, 0)
-    result: dict[str, object] = json.loads(answer)
-    return result
-
-
 class _Unflushed(metrics.MetricsBuffer):
     """A buffer that a heartbeat thread left by another test cannot empty meanwhile."""
 
@@ -114,7 +98,7 @@ def test_a_forked_child_starts_without_its_parents_runtime_metrics_and_interrupt
     assert parent is not None and runtime_of(app) is parent and parent in runtimes()
     TELEMETRY.metrics.inc("owner_lease_renew_total")
     try:
-        seen = _in_a_forked_child(
+        seen = in_a_forked_child(
             lambda: {
                 "runtime": runtime_of(app, create=False) is None,
                 "runtimes": len(runtimes()),
@@ -141,7 +125,7 @@ def test_a_forked_child_starts_without_its_parents_runtime_metrics_and_interrupt
 
 def test_attempt_ids_never_repeat_across_a_fork() -> None:
     before = WORKER_PROCESS.attempt_ids.next_id()
-    seen = _in_a_forked_child(lambda: {"id": WORKER_PROCESS.attempt_ids.next_id()})
+    seen = in_a_forked_child(lambda: {"id": WORKER_PROCESS.attempt_ids.next_id()})
     after = WORKER_PROCESS.attempt_ids.next_id()
     assert len({before, seen["id"], after}) == 3
     assert before.split("/")[0] == after.split("/")[0] == str(os.getpid())

@@ -17,7 +17,6 @@ import pytest
 from celery import Celery
 
 from celery_fenced._telemetry import metrics
-from celery_fenced._telemetry.names import NameMemo
 from celery_fenced._telemetry.process import TELEMETRY
 from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced._worker.runtime import runtime_of, runtimes
@@ -129,19 +128,6 @@ def test_attempt_ids_never_repeat_across_a_fork() -> None:
     after = WORKER_PROCESS.attempt_ids.next_id()
     assert len({before, seen["id"], after}) == 3
     assert before.split("/")[0] == after.split("/")[0] == str(os.getpid())
-
-
-def test_a_name_memo_remembers_a_bounded_number_of_names() -> None:
-    made: list[str] = []
-
-    def make(name: str) -> str:
-        made.append(name)
-        return name.upper()
-
-    memo = NameMemo(make, limit=2)
-    assert [memo(n) for n in ("a", "b", "a", "c", "c")] == ["A", "B", "A", "C", "C"]
-    assert made == ["a", "b", "c", "c"]  # "c" came after the limit: made each time, never kept
-    assert len(memo.made) == 2
 
 
 # Module-level state the package may hold, each with why it must be global. Everything else a

@@ -1,4 +1,5 @@
-"""The worker's side of Celery's signals and bootsteps (worker/hooks.py), and their wiring."""
+"""The worker's side of Celery's signals and bootsteps (_worker/hooks.py); how a fenced task wires
+them to an app is tested with the wiring (tests/unit/task/test_wiring.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import logging
 from typing import Any
 
 from celery import Celery
-from kombu.utils.imports import symbol_by_name
 
 from celery_fenced import ProgressLeasedTask
 from celery_fenced._reaper.reaper import REAP_TASK_NAME
@@ -15,21 +15,6 @@ from celery_fenced._worker.attempt import attempt_of
 from celery_fenced._worker.lifecycle import heartbeat_for
 from celery_fenced._worker.runtime import runtime_of
 from celery_fenced.exceptions import ConfigurationError
-
-
-def test_binding_a_fenced_task_wires_the_worker_by_name(fenced_app: Celery) -> None:
-    @fenced_app.task(base=ProgressLeasedTask, shared=False)
-    def report() -> None: ...
-
-    fenced_app.finalize()  # binds the task: its on_bound wires the app
-    named = {step for step in fenced_app.steps["worker"] | fenced_app.steps["consumer"] if isinstance(step, str)}
-    assert {symbol_by_name(step) for step in named} == {
-        hooks.FencedWorkerStep,
-        hooks.ChildExitWatch,
-        hooks.ReconnectWatch,
-        hooks.HoldBackBehindStalledOwners,
-    }
-    assert REAP_TASK_NAME in fenced_app.tasks
 
 
 def test_the_reapers_own_runs_leave_no_received_or_succeeded_line() -> None:

@@ -1,6 +1,6 @@
 """The package's layout: the map that opens docs/design.rst names each part's folder and modules
-as the tree has them, and the imports between modules go one way: no circle, and no part
-imports a part on a higher layer of the map."""
+as the tree has them, the imports between modules go one way (no circle, and no part imports a
+part on a higher layer of the map), and the unit tests mirror the package's folders."""
 
 from __future__ import annotations
 
@@ -26,6 +26,62 @@ DOOR = ("celery_fenced._task.wiring", "celery_fenced._worker.")
 #: Imports that still go up the map (or close a circle), each with why it is still there. A new
 #: one fails the test; so does one that is gone but still listed here.
 KNOWN: dict[tuple[str, str], str] = {}
+
+#: The modules with no test module of their own where the unit tests mirror the package
+#: (:func:`mirror_of`), each with the test module that covers it and why it is tested there.
+#: A module that gains its own test module fails the test until it is taken out of here.
+TESTED_ELSEWHERE: dict[str, tuple[str, str]] = {
+    # Kept import paths: re-exports only, each checked against its private module.
+    "celery_fenced.backend": ("tests/unit/test_public_api.py", "a kept import path: re-exports _backend.backend"),
+    "celery_fenced.metrics": ("tests/unit/test_public_api.py", "a kept import path: re-exports _telemetry.metrics"),
+    "celery_fenced.state": ("tests/unit/test_public_api.py", "a kept import path: re-exports _lease.state"),
+    "celery_fenced.task": ("tests/unit/test_public_api.py", "a kept import path: re-exports _task.task"),
+    "celery_fenced.worker.request": (
+        "tests/unit/test_public_api.py",
+        "a kept import path: re-exports _worker.request (whose tests are tests/unit/worker/test_request.py)",
+    ),
+    # Constants and declarations only: tested where they are set, sent and read.
+    "celery_fenced._celery.headers": (
+        "tests/unit/task/test_calls.py",
+        "constants only: the message headers, set and read in the tests of the calls (and of the reaper)",
+    ),
+    "celery_fenced.signals": (
+        "tests/plugin/test_fixtures.py",
+        "declarations only: Celery Signals, each heard with its arguments from a real worker there",
+    ),
+    # One module, one test module per script.
+    "celery_fenced._lease.store": (
+        "tests/unit/lease/test_acquire.py",
+        "the lease store runs one script per change: tested per script, tests/unit/lease/test_<script>.py",
+    ),
+    # Tests that need what the unit tests do not have.
+    "celery_fenced._operator.dashboards": (
+        "tests/monitoring/test_rules.py",
+        "its dashboard and rules are checked by Prometheus's own tools, with the monitoring tests",
+    ),
+    "celery_fenced.contrib.django.apps": (
+        "tests/django/test_settings_checks.py",
+        "Django contrib: tested in a configured Django project",
+    ),
+    "celery_fenced.contrib.django.checks": (
+        "tests/django/test_settings_checks.py",
+        "Django contrib: tested in a configured Django project",
+    ),
+    "celery_fenced.contrib.django.models": (
+        "tests/django/test_fenced_writes.py",
+        "Django contrib: tested in a configured Django project, on the test app's models",
+    ),
+    "celery_fenced.contrib.flower.flowerconfig": (
+        "tests/integration/test_observability.py",
+        "Flower's config file: run by Flower itself, as `celery fenced flower` starts it",
+    ),
+    # The test support the package ships, in use.
+    "celery_fenced.harness": (
+        "tests/plugin/test_binaries.py",
+        "test support: every test's Redis is its RedisServer (tests/support/redis_server.py); the binary it picks",
+    ),
+    "celery_fenced.testing": ("tests/plugin/test_fixtures.py", "the pytest plugin: its fixtures and helpers in use"),
+}
 
 
 @dataclass(frozen=True)
@@ -273,3 +329,51 @@ def test_the_scan_finds_every_kind_of_import(source: str, target: str, how: str 
 def test_the_layers_are_read_from_the_map() -> None:
     layers = {Path(part.folder).name: part.layer for part in read_map() if part.folder != "celery_fenced/"}
     assert layers["_celery"] < layers["_lease"] < layers["_task"] < layers["_worker"] < layers["contrib"]
+
+
+# -- the unit tests mirror the package --------------------------------------------------------------
+
+
+def mirror_of(path: Path) -> Path:
+    """The test module of the module in ``path``: ``celery_fenced/_folder/module.py`` is tested by
+    ``tests/unit/folder/test_module.py``, a top-level module by ``tests/unit/test_module.py``."""
+    relative = path.relative_to(PACKAGE)
+    folders = [folder.removeprefix("_") for folder in relative.parts[:-1]]
+    return ROOT.joinpath("tests", "unit", *folders, f"test_{relative.name}")
+
+
+def test_every_module_has_its_test_module() -> None:
+    modules = {module: path for module, path in MODULES.items() if path.name != "__init__.py"}
+    mirrors = {module: mirror_of(path) for module, path in modules.items()}
+    missing = sorted(
+        f"{module}: {mirrors[module].relative_to(ROOT)}"
+        for module in modules
+        if module not in TESTED_ELSEWHERE and not mirrors[module].is_file()
+    )
+    assert missing == [], "write the test module, or say in TESTED_ELSEWHERE which tests cover it and why"
+    assert sorted(set(TESTED_ELSEWHERE) - set(modules)) == [], "gone: take it out of TESTED_ELSEWHERE"
+    for module, (test_path, reason) in TESTED_ELSEWHERE.items():
+        assert (ROOT / test_path).is_file(), f"{module}: no {test_path}"
+        assert test_path.startswith("tests/") and test_path.endswith(".py"), f"{module}: {test_path}"
+        assert reason.strip() and "\n" not in reason, f"{module}: say why, in one line"
+    # A module's mirror is its own, but a kept path's (worker/request.py) is also the mirror of the
+    # private module it re-exports (_worker/request.py): that test module is the private module's.
+    owned: dict[Path, str] = {}
+    for module in sorted(set(modules) - set(TESTED_ELSEWHERE)):
+        assert mirrors[module] not in owned, f"{module} and {owned[mirrors[module]]} mirror to one test module"
+        owned[mirrors[module]] = module
+    gained = sorted(module for module in TESTED_ELSEWHERE if mirrors[module].is_file() and mirrors[module] not in owned)
+    assert gained == [], "it has a test module of its own now: take it out of TESTED_ELSEWHERE"
+
+
+@pytest.mark.parametrize(
+    ("module", "mirror"),
+    [
+        ("_worker/runtime.py", "tests/unit/worker/test_runtime.py"),
+        ("_lease/store.py", "tests/unit/lease/test_store.py"),
+        ("contrib/django/apps.py", "tests/unit/contrib/django/test_apps.py"),
+        ("conf.py", "tests/unit/test_conf.py"),
+    ],
+)
+def test_a_modules_mirror_drops_the_leading_underscore_of_each_folder(module: str, mirror: str) -> None:
+    assert mirror_of(PACKAGE / module) == ROOT / mirror

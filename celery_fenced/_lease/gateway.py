@@ -294,6 +294,8 @@ class ScriptSet:
         self.release: LeaseScript[Table] = load("release")
         #: {ReleaseOutcome}: a hand-off taken back.
         self.hand_back: LeaseScript[Table] = load("hand_back")
+        #: {ReleaseOutcome}: a hand-off's replacement sent.
+        self.replacement_sent: LeaseScript[Table] = load("replacement_sent")
         #: 1 (stored, DONE: the common case), or {StoreOutcome, detail}.
         self.store: LeaseScript[int | Table] = load("store")
         #: {ClaimOutcome, cause, lease fields as a flat list}.

@@ -232,6 +232,7 @@ SCRIPT_OUTCOMES: Mapping[str, type[StrEnum]] = {
     "lapse": LapseOutcome,
     "release": ReleaseOutcome,
     "hand_back": ReleaseOutcome,
+    "replacement_sent": ReleaseOutcome,
     "store": StoreOutcome,
     "claim": ClaimOutcome,
     "cancel": CancelOutcome,

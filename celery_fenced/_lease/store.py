@@ -313,20 +313,37 @@ class LeaseStore:
         args += [max_takeovers, stage, max(0, int(renewal_age_ms)), "lapsed" if lapsed else ""]
         return outcome(RestoreOutcome, "restore", self.scripts.restore(keys=keys, args=args)[0])
 
-    def hand_off(self, task_id: str, owner_id: str, token: int, *, keep_ms: int = 0) -> ReleaseOutcome:
+    def hand_off(
+        self, task_id: str, owner_id: str, token: int, *, keep_ms: int = 0, send_window_ms: int = 0
+    ) -> ReleaseOutcome:
         """Pass the task id to a replacement (``Task.replace()``), fenced like a write.
 
         The lease becomes a ``HANDED_OFF`` record, kept ``keep_ms`` (0: for ever) or until
         the replacement starts: only a message naming ``token`` as the one it was handed off
         from runs the task id then (see :data:`~celery_fenced._celery.headers.HANDED_OFF_BY_HEADER`).
+        Until :meth:`replacement_sent`, the record is due ``send_window_ms`` on (0: never): an
+        owner lost before it sent the replacement is then taken over.
 
         Returns ``"ok"`` (the caller sends the replacement), or why the owner no longer holds
         it (``"stale-token"``, ``"not-owner"``, ``"finished"``, ``"missing"``): then nothing
         may be sent.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        args: list[Any] = [owner_id, _require_token(token), "HANDOFF", 0, max(0, keep_ms)]
+        args: list[Any] = [owner_id, _require_token(token), "HANDOFF", max(0, send_window_ms), max(0, keep_ms)]
         return outcome(ReleaseOutcome, "release", self.retry(self.scripts.release, keys, args)[0])
+
+    def replacement_sent(self, task_id: str, owner_id: str, token: int) -> ReleaseOutcome:
+        """Say that the owner which handed off with ``token`` sent its replacement
+        (``replacement_sent.lua``; run again under ``retry``): its record waits for the
+        replacement, and is no longer due.
+
+        Returns ``"ok"``, or why no hand-off of this owner waits (``"finished"``: the
+        replacement started, or the reaper undid the hand-off; ``"stale-token"``,
+        ``"not-owner"``, ``"missing"``).
+        """
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        args: list[Any] = [owner_id, _require_token(token)]
+        return outcome(ReleaseOutcome, "replacement_sent", self.retry(self.scripts.replacement_sent, keys, args)[0])
 
     def hand_back(self, task_id: str, owner_id: str, token: int, *, ttl_ms: int) -> ReleaseOutcome:
         """Take back a hand-off whose replacement could not be sent (``hand_back.lua``; run

@@ -303,6 +303,7 @@ class ProgressLeasedTask(Task):
         try:
             return super().on_replace(sig)
         except Ignore:  # sent: Celery ends the body with Ignore
+            worker_lifecycle().replacement_sent(self, lease)
             raise
         except Exception as exc:  # not sent: the error is the task's, stored by its owner
             worker_lifecycle().hand_back(self, lease, exc)

@@ -58,6 +58,7 @@ __all__ = [
     "heartbeat_for",
     "lapse_unfinished",
     "release",
+    "replacement_sent",
     "retry_called",
     "retry_due",
     "run_body",
@@ -259,12 +260,39 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
     keep_ms = task.backend.expires_ms(celery_states.SUCCESS)
     if keep_ms:
         keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
-    code = store.hand_off(lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms)
+    # Due, unless the owner says it sent the replacement (replacement_sent), once a message
+    # sent at once would have been received: a whole worker lost before the send is taken over.
+    send_window_ms = int(ensure_conf(task.app).requeue_timeout * 1000)
+    code = store.hand_off(lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, send_window_ms=send_window_ms)
     if code != ReleaseOutcome.OK:
         # MISSING too: a lease that vanished may have been taken over and handed off (or
         # finished) by a newer owner whose record vanished with it.
         _lost_on_end(lease, code, "hand-off to the replacement")
     logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
+
+
+def replacement_sent(task: Any, lease: OwnedLease) -> None:
+    """``Task.replace()`` sent the replacement: the hand-off's record waits for it, no longer due.
+
+    Never raises: the replacement is on its way whatever Redis answers. Unsaid (Redis could
+    not be reached), the record is due at the end of the send's window, and the reaper takes
+    the task over if the replacement has not started by then; the replacement, when it comes,
+    is then a copy that does not run.
+    """
+    try:
+        code = task.backend.lease_store.replacement_sent(lease.task_id, lease.owner_id, lease.token)
+    except Exception as exc:
+        logger.warning(
+            "task %s[%s] token=%s: its replacement was sent, and saying so failed (%r): the task is taken "
+            "over if the replacement has not started within fenced_requeue_timeout",
+            task.name,
+            lease.task_id,
+            lease.token,
+            exc,
+        )
+        return
+    if code != ReleaseOutcome.OK:
+        logger.info("task %s[%s] token=%s: replacement sent, hand-off %s", task.name, lease.task_id, lease.token, code)
 
 
 def hand_back(task: Any, lease: OwnedLease, error: BaseException) -> None:

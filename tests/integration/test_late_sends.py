@@ -128,6 +128,51 @@ def test_an_owner_killed_between_its_hand_off_and_the_send_is_taken_over(cluster
     assert "re-sent (cause=gone" in worker.log()
 
 
+def test_a_whole_worker_killed_between_its_hand_off_and_the_send_is_taken_over(cluster: Cluster) -> None:
+    """No process of the worker is left to say anything (no ``WorkerLostError``): the hand-off's
+    record, due until its owner says it sent the replacement, is taken over once the
+    requeue timeout passes, by another worker's reaper."""
+    app = cluster.app()
+    first = cluster.worker("w1", concurrency=2, environ=FREEZE)
+    signature = app.replaced_by.s("fenced")
+    task_id = signature.freeze().id
+    cluster.record.set(f"freeze-publish-of:{task_id}", 1)  # stops as it sends the replacement
+    result = signature.apply_async()
+    wait_until(lambda: cluster.record.lrange(f"frozen-publish-of:{task_id}", 0, -1), 20, "the frozen send")
+    assert lease(cluster, task_id)["status"] == "HANDED_OFF"
+    first.signal_group(signal.SIGKILL)  # the main process and every child: nobody writes anything
+    wait_until(lambda: first.proc.poll() is not None, 10, "the killed worker's exit")
+    second = cluster.worker("w2", concurrency=2)
+    assert result.get(timeout=30) == 5
+    runs = cluster.runs(task_id)
+    assert len(runs) == 2 and runs[1]["token"] > runs[0]["token"]
+    assert "re-sent (cause=gone" in second.log()
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["status"] == "SUCCESS"
+
+
+def test_a_replacement_sent_and_waiting_in_its_queue_is_not_taken_over(cluster: Cluster) -> None:
+    """The owner said it sent its replacement: however long the replacement waits for a worker
+    (here a queue nobody consumes until later), the reaper leaves the hand-off alone, and the
+    replaced body does not run again."""
+    app = cluster.app()
+    first = cluster.worker("w1", concurrency=2)
+    result = app.replaced_by.delay("queued")
+    record = wait_until(
+        lambda: (found := lease(cluster, result.id)).get("handoffSent") == "1" and found, 20, "the sent hand-off"
+    )
+    assert record["status"] == "HANDED_OFF"  # type: ignore[index]
+    # Past the moment an unsent hand-off would be due (the requeue timeout), and three passes
+    # of the reaper beyond it, on the server's clock.
+    due_ms = int(record["handedOffAt"]) + 5_000 + 3 * 1_000  # type: ignore[index]
+    wait_until(lambda: cluster.results.time()[0] * 1000 > due_ms, 20, "the would-be due time")
+    assert lease(cluster, result.id)["status"] == "HANDED_OFF"
+    assert "re-sent (cause=gone" not in first.log()
+    cluster.worker("w2", concurrency=1, queues="later")
+    assert result.get(timeout=30) == 5
+    assert len(cluster.runs(result.id)) == 1  # the replaced body ran once
+
+
 def test_a_task_id_sent_again_after_the_body_runs_again(cluster: Cluster) -> None:
     # The same task id applied twice by one run after its body (on_success, after_return, a
     # task_postrun receiver), the second once the first finished: Celery runs both, and so

@@ -21,8 +21,12 @@
 --                        call is refused like any stale owner's. The record keeps the
 --                        recorded call, the takeover limit and the run's own hand-off token
 --                        (handoffPrior), for a hand-back (hand_back.lua) when the replacement
---                        cannot be sent
--- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED)
+--                        cannot be sent. Until the owner says it sent the replacement
+--                        (replacement_sent.lua), the record is due ARGV[4] ms on: an owner lost
+--                        (a whole worker killed) between its hand-off and the send sent nothing,
+--                        and once due the reaper undoes the hand-off and takes the task over
+--                        (claim.lua)
+-- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED; HANDOFF: the send's window, 0 = none)
 -- ARGV[5]  ms the lease hash lives once DONE or HANDED_OFF (the result expiry; 0 = no expiry)
 -- ARGV[6..9] the owner's last progress, as renew.lua takes it: stage, progressVersion,
 --          progress age ms, details (JSON, "" = unchanged); published for RETRYING and
@@ -53,7 +57,7 @@ if (target == 'RETRYING' or target == 'REQUEUED') and ARGV[6] then
   publish_progress(KEYS[1], nil, now, ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9])
 end
 if target == 'HANDOFF' then
-  redis.call('ZREM', KEYS[2], KEYS[1])
+  local send_window = tonumber(ARGV[4])
   -- Kept for a hand-back (hand_back.lua: the replacement could not be sent), what the reaper
   -- needs of a running lease: the recorded call, its takeover limit, and the hand-off token
   -- this run had (a replacement's run), as handoffPrior.
@@ -64,6 +68,14 @@ if target == 'HANDOFF' then
       record[#record + 1] = name
       record[#record + 1] = kept[i]
     end
+  end
+  if send_window > 0 then
+    local due = int_arg(now + send_window)
+    record[#record + 1] = 'leaseExpireAt'
+    record[#record + 1] = due
+    redis.call('ZADD', KEYS[2], due, KEYS[1])
+  else
+    redis.call('ZREM', KEYS[2], KEYS[1])
   end
   end_as_tombstone(KEYS[1], record)
   if tonumber(ARGV[5]) > 0 then

@@ -59,7 +59,8 @@
 --               written, the lease is LAPSED so the reaper takes the task over at once; of
 --               the process that handed a HANDED_OFF record off: nothing written, the record
 --               is due after ARGV[7] ms, for the reaper to take the task over if the
---               replacement has not started by then (it may never have been sent)
+--               replacement has not started by then (it may never have been sent; one its
+--               owner said it sent, replacement_sent.lua, is "foreign")
 --   "foreign"   refused: a tokenless write not from the owner's process, while an owner
 --               is live (RUNNING, STALLED) or for a state other than REVOKED; a FAILURE
 --               of a RESERVED lease (a delivery that could not take it) from a pool
@@ -119,9 +120,10 @@ else
   if status == 'HANDED_OFF' then
     if (ARGV[10] or '') ~= redis.call('HGET', KEYS[1], 'handoffToken') then
       local writer = ARGV[8] or ''
-      if ARGV[9] == '1' and writer ~= '' and string.sub(cur[3] or '', 1, #writer) == writer then
+      if ARGV[9] == '1' and writer ~= '' and string.sub(cur[3] or '', 1, #writer) == writer
+          and redis.call('HGET', KEYS[1], 'handoffSent') ~= '1' then
         -- The process that handed off was lost: it may have died before its replacement was
-        -- sent, and then nothing would ever start the task id. Unless the replacement starts
+        -- sent (it did not say it sent it), and then nothing would ever start the task id. Unless the replacement starts
         -- (is received) within ARGV[7] ms, the reaper undoes the hand-off and takes the task
         -- over (claim.lua).
         local now_arg = now_ms_text()

@@ -523,6 +523,8 @@ def replaced_by(self: Any, kind: str) -> Any:
         return self.replace(fenced_add.s(2, 3))
     if kind == "plain":
         return self.replace(plain_add.s(20, 3))
+    if kind == "queued":  # a replacement that waits in a queue no worker consumes yet
+        return self.replace(fenced_add.s(2, 3).set(queue="later"))
     if kind == "unsendable":  # a replacement whose message cannot be sent (its argument is no JSON)
         return self.replace(replacement_run.s(self.request.id, object()))
     if kind == "chain":  # the chain's last task runs under the task id

@@ -28,6 +28,9 @@ class, so hypothesis tells the rules apart and shrinks each on its own):
     hand-off refuses the handing token.
 ``missing-handoff-succeeded``
     a missing lease is never a successful hand-off (§4.5).
+``foreign-send-said``
+    an owner's word that it sent its replacement lands on a record that is not its own
+    hand-off's (a hand-off whose replacement was never sent would then wait for ever).
 ``restore-of-expired-lease``, ``stale-restore``, ``restore-over-state``, ``restore-after-forget``
     an owner puts back a vanished lease only while it still held it live, with the newest token.
 ``live-lease-not-newest``
@@ -158,9 +161,11 @@ class TaskModel:
     #: HANDED_OFF: what the hand-off changed, for a hand-back (the replaced messages, the
     #: lease's hand-off token before it)
     before_handoff: tuple[set[str], int] = (set(), 0)
-    #: HANDED_OFF: the process that handed off was lost (a WorkerLostError of it): the
-    #: replacement may never have been sent, and once due the reaper undoes the hand-off
-    lost_handoff: bool = False
+    #: HANDED_OFF: its owner said it sent the replacement. Until then the replacement may
+    #: never have been sent: the record is due at the end of the send's window (a whole worker
+    #: lost in between says nothing), or later once a WorkerLostError of the owner's process
+    #: came, and once due the reaper undoes the hand-off
+    sent: bool = False
     #: HANDED_OFF: the owner that handed off (its id and token stay in the record: once the
     #: reaper undoes a lost hand-off, the lease is that owner's again, as a claimed one is)
     handed_off_owner: Owner | None = None
@@ -315,7 +320,7 @@ class ProtocolModel:
         task = self.tasks[task_id]
         if task.status == RUNNING:
             task.expired = True
-        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
+        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and not task.sent):
             task.due = True
         for owner in self.owners:
             if owner.task_id == task_id and owner.believes_live:
@@ -397,11 +402,11 @@ class ProtocolModel:
             # that is not a fenced task); the run that handed off is refused. The process
             # that handed off, lost (a WorkerLostError), makes the record due: its replacement
             # may never have been sent.
-            if worker_lost and owner.token == task.handoff_token and task.holder is None:
+            if worker_lost and owner.token == task.handoff_token and task.holder is None and not task.sent:
                 if code != "lapsed":
                     self.violated("model-mismatch", f"{where}: expected lapsed (the handing process lost)")
                 else:
-                    task.lost_handoff, task.due = True, False
+                    task.due = False  # due again a requeue timeout on
                 return
             if owner.handed_off_by != str(task.handoff_token):
                 if code == "stored":
@@ -502,7 +507,7 @@ class ProtocolModel:
             task.publishes.append(replacement)
             task.headers[replacement] = str(owner.token)
             task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
-            task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
+            task.handoff_token, task.sent, task.handed_off_owner = owner.token, False, owner
             owner.believes_live = False
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
@@ -525,12 +530,25 @@ class ProtocolModel:
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not taken back")
 
+    def said_sent(self, owner: Owner, code: str) -> None:
+        """The owner that handed off sent its replacement and says so: its own record, as the
+        hand-off left it, is no longer due; nothing else changes."""
+        task = self.tasks[owner.task_id]
+        where = f"{owner!r} said it sent its replacement: {code} (task {task.status}, newest token {task.fence})"
+        its_own = task.status == HANDED_OFF and task.handoff_token == owner.token and task.handed_off_owner is owner
+        if code == "ok":
+            if not its_own:
+                return self.violated("foreign-send-said", where)
+            task.sent, task.due = True, False
+        elif its_own:
+            self.violated("model-mismatch", f"{where}: the owner's own hand-off was not marked sent")
+
     # -- the reaper and the operator ----------------------------------------------------
 
     def claimed(self, task_id: str, code: str, cause: str, reserved: int) -> None:
         self.hand_out(reserved, f"the claim of {task_id}")
         task = self.tasks[task_id]
-        lost = task.status == HANDED_OFF and task.lost_handoff
+        lost = task.status == HANDED_OFF and not task.sent  # the replacement may never have been sent
         counted = (task.status == RUNNING and task.expired) or task.status == LAPSED or (lost and task.due)
         if task.status == NONE:
             allowed = {"missing"}
@@ -558,7 +576,7 @@ class ProtocolModel:
             # Undone as a hand-back undoes it; the replacement, if it was sent after all, is a
             # message like any other (a takeover of the claimed task, or a copy of its run).
             task.handed_off, task.handoff_token = task.before_handoff
-            task.lost_handoff, task.holder = False, task.handed_off_owner
+            task.sent, task.holder = False, task.handed_off_owner
         if code == "requeued":
             task.status, task.expired, task.due = REQUEUED, False, False
             if counted:

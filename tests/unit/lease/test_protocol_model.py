@@ -234,8 +234,14 @@ class ProtocolMachine(RuleBasedStateMachine):
     def hand_off(self, owner: Owner) -> None:
         """``Task.replace()``: the owner passes the task id to a replacement."""
         had_lease = self.lease_exists(owner.task_id)
-        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token)
+        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token, send_window_ms=REQUEUE_MS)
         self.model.handed_off(owner, code in HANDOFF_SUCCEEDS, code.value, had_lease)
+
+    @rule(owner=owners)
+    def replacement_sent(self, owner: Owner) -> None:
+        """``Task.replace()`` sent the replacement: the owner that handed off says so."""
+        code = self.store.replacement_sent(owner.task_id, owner.owner_id, owner.token)
+        self.model.said_sent(owner, code.value)
 
     @rule(owner=owners)
     def hand_back(self, owner: Owner) -> None:
@@ -529,6 +535,21 @@ COUNTEREXAMPLES = [
             ("deliver", {"task_id": TASK_IDS[1]}),
         ],
         id="a-write-back-after-the-counter-was-evicted",
+    ),
+    pytest.param(
+        [("deliver", {}), ("hand_off", {"owner": OWNER + "0"}), ("time_passes", {}), ("claim", {})],
+        id="a-hand-off-whose-replacement-was-never-sent",
+    ),
+    pytest.param(
+        [
+            ("deliver", {}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("replacement_sent", {"owner": OWNER + "0"}),
+            ("time_passes", {}),
+            ("claim", {}),
+            ("deliver", {}),
+        ],
+        id="a-hand-off-whose-replacement-was-sent",
     ),
 ]
 

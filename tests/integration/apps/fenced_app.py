@@ -873,3 +873,71 @@ def killed_then_retried_at_once(self: Any) -> str:
     if record().llen(f"runs:{self.request.id}") == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return f"retried {self.request.retries}"
+
+
+# -- hand-off faults --------------------------------------------------------------------------------
+
+
+def note_replacement_run(task: Any, origin: str, name: str) -> None:
+    """Record one run of a replacement's step, under the replaced task id ``origin``."""
+    entry = {"name": name, "id": task.request.id, "token": getattr(task, "fencing_token", 0)}
+    record().rpush(f"replacement-runs:{origin}", json.dumps(entry))
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def replacement_step(self: Any, origin: str, name: str) -> str:
+    """A fenced step of a replacement: records each run of its body."""
+    note_replacement_run(self, origin, name)
+    return name
+
+
+@app.task(bind=True)
+def plain_replacement_step(self: Any, origin: str, name: str) -> str:
+    """A plain (not fenced) replacement: records each run of its body."""
+    record().rpush(f"replacement-runs:{origin}", json.dumps({"name": name, "id": self.request.id, "token": 0}))
+    return name
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def replaced_with(self: Any, kind: str) -> Any:
+    """Replaces itself: by a fenced task (``kind`` "fenced"), a plain one ("plain"), or a chain of
+    two fenced steps whose first has an id of its own ("chain"); each step records its runs.
+    With the key ``vanish-before-replace:<task id>`` set, its lease hash is deleted right
+    before ``replace()``."""
+    from celery import chain
+
+    note_run(self)
+    self.progress("load-data")
+    origin = self.request.id
+    if record().delete(f"vanish-before-replace:{origin}"):
+        # The fault: the lease hash vanishes (an eviction, a FLUSH, a failover that lost the
+        # last writes) after the heartbeat's last renewal and before the hand-off.
+        self.backend.client.delete(self.backend.lease_store.keys.lease(origin))
+    if kind == "fenced":
+        return self.replace(replacement_step.s(origin, "fenced"))
+    if kind == "plain":
+        return self.replace(plain_replacement_step.s(origin, "plain"))
+    return self.replace(chain(replacement_step.si(origin, "first"), replacement_step.si(origin, "last")))
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def replaced_twice(self: Any, level: int) -> Any:
+    """Level 1 replaces itself by level 2, which replaces itself by :func:`replacement_step`.
+    The first run of level 2 holds first (no progress, in a stage with a long deadline) until
+    told to wake."""
+    note_run(self, level=level)
+    self.progress("slow-stage")
+    origin = self.request.id
+    if level == 1:
+        return self.replace(replaced_twice.s(2))
+    if record().incr(f"level-2-runs:{origin}") == 1:
+        record().rpush(f"holding:{origin}", self.fencing_token)
+        wait_for_key(f"wake:{origin}", 60)
+    return self.replace(replacement_step.s(origin, "second"))
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def collected(self: Any, values: list[Any]) -> list[Any]:
+    """A chord body that records each run of its body."""
+    note_run(self, values=values)
+    return values

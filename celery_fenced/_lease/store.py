@@ -314,34 +314,41 @@ class LeaseStore:
         return outcome(RestoreOutcome, "restore", self.scripts.restore(keys=keys, args=args)[0])
 
     def hand_off(
-        self, task_id: str, owner_id: str, token: int, *, keep_ms: int = 0, send_window_ms: int = 0
+        self, task_id: str, owner_id: str, token: int, *, keep_ms: int = 0, worker_id: str | None = None
     ) -> ReleaseOutcome:
         """Pass the task id to a replacement (``Task.replace()``), fenced like a write.
 
         The lease becomes a ``HANDED_OFF`` record, kept ``keep_ms`` (0: for ever) or until
         the replacement starts: only a message naming ``token`` as the one it was handed off
         from runs the task id then (see :data:`~celery_fenced._celery.headers.HANDED_OFF_BY_HEADER`).
-        Until :meth:`replacement_sent`, the record is due ``send_window_ms`` on (0: never): an
-        owner lost before it sent the replacement is then taken over.
+        With ``worker_id`` (the owner's worker, one start of it), the record is filed among
+        that worker's reservations until :meth:`replacement_sent`: should the worker's liveness
+        record lapse first, the task is taken over (the replacement may never have been sent).
 
         Returns ``"ok"`` (the caller sends the replacement), or why the owner no longer holds
         it (``"stale-token"``, ``"not-owner"``, ``"finished"``, ``"missing"``): then nothing
         may be sent.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
-        args: list[Any] = [owner_id, _require_token(token), "HANDOFF", max(0, send_window_ms), max(0, keep_ms)]
+        if worker_id:
+            keys.append(self.keys.reserved_by(worker_id))
+        args: list[Any] = [owner_id, _require_token(token), "HANDOFF", worker_id or "", max(0, keep_ms)]
         return outcome(ReleaseOutcome, "release", self.retry(self.scripts.release, keys, args)[0])
 
-    def replacement_sent(self, task_id: str, owner_id: str, token: int) -> ReleaseOutcome:
+    def replacement_sent(
+        self, task_id: str, owner_id: str, token: int, *, worker_id: str | None = None
+    ) -> ReleaseOutcome:
         """Say that the owner which handed off with ``token`` sent its replacement
         (``replacement_sent.lua``; run again under ``retry``): its record waits for the
-        replacement, and is no longer due.
+        replacement whatever becomes of the owner, and leaves ``worker_id``'s reservations.
 
         Returns ``"ok"``, or why no hand-off of this owner waits (``"finished"``: the
         replacement started, or the reaper undid the hand-off; ``"stale-token"``,
         ``"not-owner"``, ``"missing"``).
         """
-        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        keys = [self.keys.lease(_require_task_id(task_id))]
+        if worker_id:
+            keys.append(self.keys.reserved_by(worker_id))
         args: list[Any] = [owner_id, _require_token(token)]
         return outcome(ReleaseOutcome, "replacement_sent", self.retry(self.scripts.replacement_sent, keys, args)[0])
 

@@ -20,12 +20,15 @@ settings).
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from typing import Any
 
 from celery import bootsteps
 
 from .._celery.compat import hold_back_consumer, maintain_pool, pool_processes
 from .._celery.startup import exit_in_one_line
+from .._lease.liveness_store import worker_id_of
 from .._lease.store import is_fenced
 from .._reaper.reaper import REAP_COMMAND, REAP_TASK_NAME
 from .._telemetry import events
@@ -41,6 +44,7 @@ from .checks import (
 )
 from .interrupt import install_interrupt_handler, set_pool_kind
 from .lifecycle import SEND_AGAIN_LIMIT, acquire, release, times_sent_again
+from .process import WORKER_PROCESS
 from .runtime import reservation_writer_of, runtime_of, stop_runtimes
 
 __all__ = [
@@ -78,8 +82,10 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         with exit_in_one_line():  # one line naming what is wrong, not a traceback ending in it
             check_worker(parent.app, parent.pool_cls)
             check_redis_commands(parent.app)
-        # Set before the pool forks, so prefork children inherit both.
+        # Set before the pool forks, so prefork children inherit them: the events' settings, and
+        # this start's id (its liveness record's), under which a child files its hand-offs.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
+        WORKER_PROCESS.worker_id = worker_id_of(parent.hostname, os.getpid(), secrets.token_hex(4))
         quiet_reaper_runs()
         register_reap_command()
 
@@ -92,7 +98,9 @@ class FencedWorkerStep(bootsteps.StartStopStep):
             warn_if_redis_can_evict(app)
         runtime = runtime_of(app)
         assert runtime is not None
-        runtime.start_main_process_threads(parent.hostname, hub=getattr(parent, "hub", None))
+        runtime.start_main_process_threads(
+            parent.hostname, hub=getattr(parent, "hub", None), worker_id=WORKER_PROCESS.worker_id
+        )
 
     def stop(self, parent: Any) -> None:
         stop_runtimes(heartbeat=False)

@@ -260,10 +260,11 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
     keep_ms = task.backend.expires_ms(celery_states.SUCCESS)
     if keep_ms:
         keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
-    # Due, unless the owner says it sent the replacement (replacement_sent), once a message
-    # sent at once would have been received: a whole worker lost before the send is taken over.
-    send_window_ms = int(ensure_conf(task.app).requeue_timeout * 1000)
-    code = store.hand_off(lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, send_window_ms=send_window_ms)
+    # Filed under this start of the worker until the owner says it sent the replacement: a
+    # whole worker lost in between (its liveness record lapses) is taken over.
+    code = store.hand_off(
+        lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, worker_id=WORKER_PROCESS.worker_id
+    )
     if code != ReleaseOutcome.OK:
         # MISSING too: a lease that vanished may have been taken over and handed off (or
         # finished) by a newer owner whose record vanished with it.
@@ -275,16 +276,18 @@ def replacement_sent(task: Any, lease: OwnedLease) -> None:
     """``Task.replace()`` sent the replacement: the hand-off's record waits for it, no longer due.
 
     Never raises: the replacement is on its way whatever Redis answers. Unsaid (Redis could
-    not be reached), the record is due at the end of the send's window, and the reaper takes
-    the task over if the replacement has not started by then; the replacement, when it comes,
-    is then a copy that does not run.
+    not be reached), the record stays filed under the worker: should the whole worker be lost
+    before the replacement starts, the task is taken over, and the replacement, when it comes,
+    is a copy that does not run.
     """
     try:
-        code = task.backend.lease_store.replacement_sent(lease.task_id, lease.owner_id, lease.token)
+        code = task.backend.lease_store.replacement_sent(
+            lease.task_id, lease.owner_id, lease.token, worker_id=WORKER_PROCESS.worker_id
+        )
     except Exception as exc:
         logger.warning(
-            "task %s[%s] token=%s: its replacement was sent, and saying so failed (%r): the task is taken "
-            "over if the replacement has not started within fenced_requeue_timeout",
+            "task %s[%s] token=%s: its replacement was sent, and saying so failed (%r): should this worker "
+            "be lost before the replacement starts, the task is taken over",
             task.name,
             lease.task_id,
             lease.token,

@@ -32,6 +32,9 @@ class WorkerProcess:
         cancelled_here: ids of the requests Celery cancelled whose bodies run in the thread
             that handled the cancel (the solo pool).
         runtimes_lock: held while an app's :class:`~.runtime.WorkerRuntime` is made.
+        worker_id: the id of this start of the worker (``<hostname>/<pid>/<start>``, its
+            liveness record's), set in the main process before the pool forks, so a prefork
+            child files its hand-offs under it; ``None`` outside a worker.
     """
 
     def __init__(self) -> None:
@@ -41,12 +44,13 @@ class WorkerProcess:
         self.interrupt_handler_installed = False
         self.cancelled_here: set[str] = set()
         self.runtimes_lock = threading.Lock()
+        self.worker_id: str | None = None
 
     def after_fork(self) -> None:
         """In a forked child: forget what was the parent's, keep what the child inherits.
 
-        The pool kind stays (a prefork child is told "prefork" only if unset), and so does
-        the SIGUSR1 handler, which a fork inherits; the interrupt under way, the cancelled
+        The pool kind stays (a prefork child is told "prefork" only if unset), and so do the
+        worker's id and the SIGUSR1 handler, which a fork inherits; the interrupt under way, the cancelled
         requests and the lock (a thread of the parent may have held it) were the parent's.
         """
         self.interrupting = None

@@ -87,10 +87,10 @@ class WorkerRuntime:
                 heartbeat = self._heartbeat
         return heartbeat
 
-    def start_main_process_threads(self, hostname: str, hub: Any = None) -> None:
-        """The worker's main process: start its liveness record, the reaper thread and the
-        reservation writer."""
-        worker_id = worker_id_of(hostname, os.getpid(), secrets.token_hex(4))
+    def start_main_process_threads(self, hostname: str, hub: Any = None, worker_id: str | None = None) -> None:
+        """The worker's main process: start its liveness record (under ``worker_id``, this
+        start's; one is made if not given), the reaper thread and the reservation writer."""
+        worker_id = worker_id or worker_id_of(hostname, os.getpid(), secrets.token_hex(4))
         self.liveness = LivenessRecord(self.app, worker_id)
         self.liveness.start()
         self.reaper = ReaperThread(self.app)

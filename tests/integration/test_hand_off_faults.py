@@ -2,10 +2,10 @@
 
 The owner writes its hand-off (``release.lua``), Celery sends the replacement, and the owner
 says it sent it (``replacement_sent.lua``). These tests put a fault between those steps: an
-owner frozen for longer than ``fenced_requeue_timeout`` and thawed after the takeover (on
-prefork and on gevent; a lone task, a chain step, a chord member); a replacement that itself
-replaces, killed between its hand-off and its send; a lease that vanished right before the
-hand-off.
+owner held there while its worker lives on (never taken over); a whole worker frozen there and
+thawed after the takeover (on prefork and on gevent; a lone task, a chord member); a
+replacement that itself replaces, killed between its hand-off and its send; a lease that
+vanished right before the hand-off.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from celery import chain, chord
+from celery import chord
 
 from tests.integration.conftest import Cluster, lease, stored
 from tests.support.processes import CeleryProcess, wait_until
@@ -27,15 +27,8 @@ pytestmark = pytest.mark.integration
 
 FREEZE = {"FENCED_TEST_FREEZE_ON_PUBLISH": "1"}
 
-# Why a frozen owner's late replacement still runs in part (the xfail cases below).
-LATE_REPLACEMENT_RUNS = (
-    "claim.lua undoes a hand-off its owner has not said it sent once fenced_requeue_timeout "
-    "passed, and cannot tell a lost owner from a held one; the replaced body runs again and sends "
-    "a second replacement. The thawed owner's late send is refused only for a fenced task under "
-    "the replaced task id (acquire.lua: its fenced_handed_off_by, or its publish id once the run "
-    "finished). A plain task takes no lease and runs; a step of a replacement canvas with an id "
-    "of its own is a new task id to the lease and runs"
-)
+#: The test app's settings the waits below are made of (tests/integration/apps/fenced_app.py).
+LEASE_TTL_MS, REQUEUE_TIMEOUT_MS, REAPER_INTERVAL_MS = 3_000, 5_000, 1_000
 
 
 def replacement_runs(cluster: Cluster, origin: str) -> list[dict[str, Any]]:
@@ -74,113 +67,83 @@ def wait_for_the_late_send(workers: list[CeleryProcess], delivered: Callable[[st
 
 
 @pytest.mark.parametrize(
-    ("pool", "kind", "steps", "expected"),
+    ("kind", "steps", "expected"),
     [
-        pytest.param("prefork", "fenced", ["fenced"], "fenced", id="prefork-fenced"),
-        pytest.param("gevent", "fenced", ["fenced"], "fenced", id="gevent-fenced"),
-        pytest.param(
-            "prefork",
-            "plain",
-            ["plain"],
-            "plain",
-            id="prefork-plain",
-            marks=pytest.mark.xfail(strict=True, reason=LATE_REPLACEMENT_RUNS),
-        ),
-        pytest.param(
-            "prefork",
-            "chain",
-            ["first", "last"],
-            "last",
-            id="prefork-chain",
-            marks=pytest.mark.xfail(strict=True, reason=LATE_REPLACEMENT_RUNS),
-        ),
+        pytest.param("plain", ["plain"], "plain", id="plain"),
+        pytest.param("chain", ["first", "last"], "last", id="chain"),
     ],
 )
-def test_an_owner_frozen_between_its_hand_off_and_the_send_and_thawed_after_the_takeover(
-    cluster: Cluster, pool: str, kind: str, steps: list[str], expected: str
+def test_a_live_worker_whose_owner_is_held_between_its_hand_off_and_the_send_is_not_taken_over(
+    cluster: Cluster, kind: str, steps: list[str], expected: str
 ) -> None:
-    """docs/guarantees.rst, *Hand-off*: an owner held between its hand-off and the send for
-    longer than the requeue timeout is taken over, and its late replacement does not run. The
-    replaced body runs twice; each step of the replacement runs once, and the result is the
-    newest owner's."""
+    """docs/guarantees.rst, *Hand-off*: a live owner is never taken over for a slow send. The
+    prefork process that handed off is held (SIGSTOP) as it sends its replacement, long past
+    every deadline a takeover could keep (the lease TTL, the requeue timeout, reaper passes),
+    while its worker's main process lives on and a free worker's reaper watches. Nothing takes
+    the task over; thawed, the owner sends its replacement, whose steps (a plain task, a canvas
+    step with an id of its own) run once."""
     app = cluster.app()
-    first = cluster.worker("w1", pool=pool, concurrency=1, environ=FREEZE)
+    first = cluster.worker("w1", concurrency=1, environ=FREEZE)
     signature = app.replaced_with.s(kind)
     task_id = signature.freeze().id
     cluster.record.set(f"freeze-publish:{task_id}", 1)
     result = signature.apply_async()
     with frozen_while_sending(cluster, task_id):
         second = cluster.worker("w2", concurrency=2)
-        assert result.get(timeout=40) == expected
-        runs = cluster.runs(task_id)
-        assert len(runs) == 2 and runs[1]["hostname"].startswith("w2@"), runs
-        assert step_names(cluster, task_id) == steps
-        late = len(steps)
+        handed_off_at = int(lease(cluster, task_id)["handedOffAt"])
+        past = handed_off_at + LEASE_TTL_MS + REQUEUE_TIMEOUT_MS + 3 * REAPER_INTERVAL_MS
+        wait_until(lambda: cluster.results.time()[0] * 1000 > past, 30, "every deadline of a takeover")
+        assert lease(cluster, task_id)["status"] == "HANDED_OFF"
+        assert len(cluster.runs(task_id)) == 1
+    assert result.get(timeout=30) == expected
+    assert step_names(cluster, task_id) == steps
+    assert len(cluster.runs(task_id)) == 1
+    assert "re-sent (cause=" not in first.log() + second.log()
+
+
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_whole_worker_frozen_between_a_hand_off_and_the_send_is_taken_over_and_its_late_replacement_does_not_run(
+    cluster: Cluster, pool: str
+) -> None:
+    """The whole worker freezes (a VM paused) right as its owner sends the replacement, after
+    its hand-off: its liveness record lapses, and another worker's reaper takes the task over.
+    The replaced body runs again there and hands off anew; the thawed owner's late replacement
+    (a fenced task under the task id) is refused, and the result is the newest owner's."""
+    app = cluster.app()
+    first = cluster.worker("w1", pool=pool, concurrency=1, environ=FREEZE)
+    signature = app.replaced_with.s("fenced")
+    task_id = signature.freeze().id
+    cluster.record.set(f"freeze-publish:{task_id}", 1)
+    result = signature.apply_async()
+    with frozen_while_sending(cluster, task_id):
+        first.signal_group(signal.SIGSTOP)  # the main process too (on prefork): the whole worker
+        try:
+            second = cluster.worker("w2", concurrency=2)
+            assert result.get(timeout=40) == "fenced"
+            runs = cluster.runs(task_id)
+            assert len(runs) == 2 and runs[1]["hostname"].startswith("w2@"), runs
+            assert step_names(cluster, task_id) == ["fenced"]
+        finally:
+            first.signal_group(signal.SIGCONT)
     wait_for_the_late_send(
         [first, second],
-        lambda logged: f"[{task_id}] not run" in logged or len(replacement_runs(cluster, task_id)) > late,
+        lambda logged: f"[{task_id}] not run" in logged or len(replacement_runs(cluster, task_id)) > 1,
     )
-    assert step_names(cluster, task_id) == steps, replacement_runs(cluster, task_id)
+    assert step_names(cluster, task_id) == ["fenced"], replacement_runs(cluster, task_id)
     assert len(cluster.runs(task_id)) == 2
     meta = stored(cluster, task_id)
-    assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == expected
-    if kind != "plain":
-        [last] = [run for run in replacement_runs(cluster, task_id) if run["id"] == task_id]
-        assert meta["fence_token"] == last["token"] > runs[1]["token"] > runs[0]["token"]
+    [last] = replacement_runs(cluster, task_id)
+    assert meta is not None and meta["result"] == "fenced"
+    assert meta["fence_token"] == last["token"] > runs[1]["token"] > runs[0]["token"]
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "fenced",
-        pytest.param(
-            "plain",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=LATE_REPLACEMENT_RUNS + ". The late plain replacement then sends the chain's next step "
-                "(a fenced task) under a new publish id (tag_publish: a plain task holds no lease to derive "
-                "it from), and acquire.lua runs a finished task id's delivery of another publish again",
-            ),
-        ),
-    ],
-)
-def test_a_chain_step_frozen_between_its_hand_off_and_the_send_runs_the_next_step_once(
-    cluster: Cluster, kind: str
+def test_a_chord_member_whose_worker_froze_between_its_hand_off_and_the_send_counts_its_part_once(
+    cluster: Cluster,
 ) -> None:
-    """A step of a chain replaces itself (Celery appends the rest of the chain to the
-    replacement). Its owner freezes as it sends the replacement, is taken over, and thaws once
-    the chain has finished: the chain's next step (a fenced task) ran once, and does not run
-    again."""
-    app = cluster.app()
-    first = cluster.worker("w1", concurrency=1, environ=FREEZE)
-    flow = chain(app.replaced_with.si(kind), app.chain_step.si("after"))
-    result = flow.freeze()
-    task_id, after_id = result.parent.id, result.id
-    cluster.record.set(f"freeze-publish:{task_id}", 1)
-    flow.apply_async()
-    with frozen_while_sending(cluster, task_id):
-        second = cluster.worker("w2", concurrency=2)
-        assert result.get(timeout=40) == "after"
-        assert len(cluster.runs(task_id)) == 2
-        assert len(cluster.runs(after_id)) == 1
-    # Refused, or run (and then it sends the next step, refused or run).
-    wait_for_the_late_send(
-        [first, second],
-        lambda logged: (
-            f"[{task_id}] not run" in logged or f"[{after_id}] not run" in logged or len(cluster.runs(after_id)) > 1
-        ),
-    )
-    assert len(cluster.runs(after_id)) == 1, cluster.runs(after_id)
-    assert step_names(cluster, task_id) == [kind]
-    meta = stored(cluster, after_id)
-    assert meta is not None and meta["result"] == "after"
-
-
-def test_a_chord_member_frozen_between_its_hand_off_and_the_send_counts_its_part_once(cluster: Cluster) -> None:
-    """A chord header member replaces itself; its owner freezes as it sends the replacement and
-    is taken over. The new owner's replacement counts the member's chord part: the chord body
-    runs once, with the replacement's result; the thawed owner's late replacement neither runs
-    nor counts the part again."""
+    """A chord header member replaces itself; its whole worker freezes as the owner sends the
+    replacement, and the task is taken over. The new owner's replacement counts the member's
+    chord part: the chord body runs once, with the replacement's result; the thawed owner's late
+    replacement neither runs nor counts the part again."""
     app = cluster.app()
     first = cluster.worker("w1", concurrency=1, environ=FREEZE)
     member = app.replaced_with.s("fenced")
@@ -188,9 +151,13 @@ def test_a_chord_member_frozen_between_its_hand_off_and_the_send_counts_its_part
     cluster.record.set(f"freeze-publish:{task_id}", 1)
     result = chord([member, app.fenced_add.s(1, 2)])(app.collected.s())
     with frozen_while_sending(cluster, task_id):
-        second = cluster.worker("w2", concurrency=2)
-        assert result.get(timeout=40) == ["fenced", 3]
-        assert len(cluster.runs(task_id)) == 2
+        first.signal_group(signal.SIGSTOP)
+        try:
+            second = cluster.worker("w2", concurrency=2)
+            assert result.get(timeout=40) == ["fenced", 3]
+            assert len(cluster.runs(task_id)) == 2
+        finally:
+            first.signal_group(signal.SIGCONT)
     wait_for_the_late_send(
         [first, second],
         lambda logged: f"[{task_id}] not run" in logged or len(replacement_runs(cluster, task_id)) > 1,

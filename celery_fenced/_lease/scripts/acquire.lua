@@ -245,7 +245,7 @@ end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSETNX', KEYS[1], 'takeovers', 0)
 redis.call('HDEL', KEYS[1], 'stalledAt', 'lapseReason', 'lapsedAt', 'resends', 'traceContext', 'handoffPrior',
-  'handoffSent')
+  'handoffSent', 'handoffWorker')
 if rerun then
   -- Celery keeps a stored SUCCESS: the new run's writes are not stored over it (store.lua).
   if redis.call('HGET', KEYS[1], 'resultState') == 'SUCCESS' then

@@ -25,11 +25,11 @@
 --   "not-due"    live or not yet due: the index entry was moved to the real due time
 --   "waiting"    a re-sent (or retry) message still waits in the queue and was sent as often
 --                as allowed: nothing sent, looked at again after the requeue timeout
---   "finished"   DONE or ABANDONED already, or HANDED_OFF with its replacement sent (the
---                message is on its way; once received, its reservation stands for it): the
---                index entry was removed. A HANDED_OFF record whose replacement may never
---                have been sent (the owner has not said it sent it, replacement_sent.lua, or
---                its process was lost: lapseReason "worker-lost", store.lua) is due instead:
+--   "finished"   DONE or ABANDONED already, or HANDED_OFF (the replacement's message is on
+--                its way; once received, its reservation stands for it): the index entry
+--                was removed. A HANDED_OFF record whose owner was lost before it said it
+--                sent the replacement (replacement_sent.lua) is due instead (lapseReason
+--                "worker-lost": its process, store.lua; its whole worker, lapse_worker.lua):
 --                once due, its hand-off is undone and the task taken over (cause "gone")
 --   "missing"    no lease: the index entry was removed
 --   "retry-later" the reserved token is not newer than the lease's: try on the next pass
@@ -55,25 +55,24 @@ if first[2] == ARGV[3] then
 end
 if status == 'HANDED_OFF' then
   local h = redis.call('HMGET', KEYS[1], 'lapseReason', 'leaseExpireAt', 'handoffPrior', 'handoffSent')
-  if h[4] == '1' or (h[1] ~= 'worker-lost' and not h[2]) then
+  if h[1] ~= 'worker-lost' or h[4] == '1' then
     redis.call('ZREM', KEYS[3], KEYS[1])
     return {'finished', status, {}}
   end
-  -- The replacement has not started, and nobody said it was sent: its owner was lost between
-  -- the hand-off and the send (its process, store.lua; or its whole worker, which says
-  -- nothing). Once due, the hand-off is undone as hand_back.lua undoes it (the run's own
-  -- hand-off token back, the record's expiry gone) and the task is taken over below, as a
-  -- lease whose owner was lost.
+  -- The owner was lost before it said it sent the replacement, and the replacement has not
+  -- started: it may never have been sent. Once due, the hand-off is undone as hand_back.lua
+  -- undoes it (the run's own hand-off token back, the record's expiry gone) and the task is
+  -- taken over below, as a lease whose owner was lost.
   if tonumber(h[2] or '0') > now then
     redis.call('ZADD', KEYS[3], h[2], KEYS[1])
     return {'not-due', status, {}}
   end
-  redis.call('HDEL', KEYS[1], 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent')
+  redis.call('HDEL', KEYS[1], 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent', 'handoffWorker')
   if h[3] then
     redis.call('HSET', KEYS[1], 'handoffToken', h[3])
   end
   redis.call('PERSIST', KEYS[1])
-  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'lapseReason', h[1] or 'gone')
+  redis.call('HSET', KEYS[1], 'status', 'LAPSED')
   status = 'LAPSED'
 end
 if status == 'DONE' or status == 'ABANDONED' then

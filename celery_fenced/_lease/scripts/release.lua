@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  lease hash
 -- KEYS[2]  expiry index
+-- KEYS[3]  HANDOFF, optional: the reservations of the owner's worker (one start of it)
 -- ARGV[1]  ownerId
 -- ARGV[2]  ownerToken
 -- ARGV[3]  new status:
@@ -21,12 +22,15 @@
 --                        call is refused like any stale owner's. The record keeps the
 --                        recorded call, the takeover limit and the run's own hand-off token
 --                        (handoffPrior), for a hand-back (hand_back.lua) when the replacement
---                        cannot be sent. Until the owner says it sent the replacement
---                        (replacement_sent.lua), the record is due ARGV[4] ms on: an owner lost
---                        (a whole worker killed) between its hand-off and the send sent nothing,
---                        and once due the reaper undoes the hand-off and takes the task over
---                        (claim.lua)
--- ARGV[4]  ms until the reaper may act (RETRYING, REQUEUED; HANDOFF: the send's window, 0 = none)
+--                        cannot be sent. With KEYS[3], the record is filed among the owner's
+--                        worker's reservations until the owner says it sent the replacement
+--                        (replacement_sent.lua): a whole worker lost between its hand-off and
+--                        the send sent nothing and says nothing, and once its liveness record
+--                        lapses (lapse_worker.lua) the reaper undoes the hand-off and takes the
+--                        task over (claim.lua). A live owner, however slow its send, is left
+--                        alone: only it may send the replacement
+-- ARGV[4]  RETRYING, REQUEUED: ms until the reaper may act; HANDOFF: the id of the owner's
+--          worker (with KEYS[3])
 -- ARGV[5]  ms the lease hash lives once DONE or HANDED_OFF (the result expiry; 0 = no expiry)
 -- ARGV[6..9] the owner's last progress, as renew.lua takes it: stage, progressVersion,
 --          progress age ms, details (JSON, "" = unchanged); published for RETRYING and
@@ -57,7 +61,6 @@ if (target == 'RETRYING' or target == 'REQUEUED') and ARGV[6] then
   publish_progress(KEYS[1], nil, now, ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9])
 end
 if target == 'HANDOFF' then
-  local send_window = tonumber(ARGV[4])
   -- Kept for a hand-back (hand_back.lua: the replacement could not be sent), what the reaper
   -- needs of a running lease: the recorded call, its takeover limit, and the hand-off token
   -- this run had (a replacement's run), as handoffPrior.
@@ -69,17 +72,23 @@ if target == 'HANDOFF' then
       record[#record + 1] = kept[i]
     end
   end
-  if send_window > 0 then
-    local due = int_arg(now + send_window)
-    record[#record + 1] = 'leaseExpireAt'
-    record[#record + 1] = due
-    redis.call('ZADD', KEYS[2], due, KEYS[1])
-  else
-    redis.call('ZREM', KEYS[2], KEYS[1])
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  if KEYS[3] then
+    record[#record + 1] = 'handoffWorker'
+    record[#record + 1] = ARGV[4]
   end
   end_as_tombstone(KEYS[1], record)
-  if tonumber(ARGV[5]) > 0 then
+  local keep = tonumber(ARGV[5])
+  if keep > 0 then
     redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  end
+  if KEYS[3] then
+    -- Filed as long as the record lives: once the worker lapses, lapse_worker.lua reads it there.
+    local until_ms = '+inf'
+    if keep > 0 then
+      until_ms = int_arg(now + keep)
+    end
+    redis.call('ZADD', KEYS[3], until_ms, KEYS[1])
   end
 elseif target == 'DONE' then
   redis.call('ZREM', KEYS[2], KEYS[1])

@@ -161,10 +161,12 @@ class TaskModel:
     #: HANDED_OFF: what the hand-off changed, for a hand-back (the replaced messages, the
     #: lease's hand-off token before it)
     before_handoff: tuple[set[str], int] = (set(), 0)
-    #: HANDED_OFF: its owner said it sent the replacement. Until then the replacement may
-    #: never have been sent: the record is due at the end of the send's window (a whole worker
-    #: lost in between says nothing), or later once a WorkerLostError of the owner's process
-    #: came, and once due the reaper undoes the hand-off
+    #: HANDED_OFF: the process that handed off was lost (a WorkerLostError of it) before it
+    #: said it sent the replacement: the replacement may never have been sent, and once due
+    #: the reaper undoes the hand-off
+    lost_handoff: bool = False
+    #: HANDED_OFF: its owner said it sent the replacement: whatever becomes of the owner, the
+    #: record waits for the replacement
     sent: bool = False
     #: HANDED_OFF: the owner that handed off (its id and token stay in the record: once the
     #: reaper undoes a lost hand-off, the lease is that owner's again, as a claimed one is)
@@ -320,7 +322,7 @@ class ProtocolModel:
         task = self.tasks[task_id]
         if task.status == RUNNING:
             task.expired = True
-        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and not task.sent):
+        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
             task.due = True
         for owner in self.owners:
             if owner.task_id == task_id and owner.believes_live:
@@ -406,7 +408,7 @@ class ProtocolModel:
                 if code != "lapsed":
                     self.violated("model-mismatch", f"{where}: expected lapsed (the handing process lost)")
                 else:
-                    task.due = False  # due again a requeue timeout on
+                    task.lost_handoff, task.due = True, False
                 return
             if owner.handed_off_by != str(task.handoff_token):
                 if code == "stored":
@@ -507,7 +509,8 @@ class ProtocolModel:
             task.publishes.append(replacement)
             task.headers[replacement] = str(owner.token)
             task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
-            task.handoff_token, task.sent, task.handed_off_owner = owner.token, False, owner
+            task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
+            task.sent = False
             owner.believes_live = False
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
@@ -539,7 +542,7 @@ class ProtocolModel:
         if code == "ok":
             if not its_own:
                 return self.violated("foreign-send-said", where)
-            task.sent, task.due = True, False
+            task.sent = True  # even after its process was taken for lost: the reaper finds it sent
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not marked sent")
 
@@ -548,7 +551,8 @@ class ProtocolModel:
     def claimed(self, task_id: str, code: str, cause: str, reserved: int) -> None:
         self.hand_out(reserved, f"the claim of {task_id}")
         task = self.tasks[task_id]
-        lost = task.status == HANDED_OFF and not task.sent  # the replacement may never have been sent
+        # The replacement may never have been sent: its process was lost before it said so.
+        lost = task.status == HANDED_OFF and task.lost_handoff and not task.sent
         counted = (task.status == RUNNING and task.expired) or task.status == LAPSED or (lost and task.due)
         if task.status == NONE:
             allowed = {"missing"}
@@ -576,7 +580,7 @@ class ProtocolModel:
             # Undone as a hand-back undoes it; the replacement, if it was sent after all, is a
             # message like any other (a takeover of the claimed task, or a copy of its run).
             task.handed_off, task.handoff_token = task.before_handoff
-            task.sent, task.holder = False, task.handed_off_owner
+            task.lost_handoff, task.holder = False, task.handed_off_owner
         if code == "requeued":
             task.status, task.expired, task.due = REQUEUED, False, False
             if counted:

@@ -291,65 +291,83 @@ def test_a_replacement_received_after_its_process_was_lost_still_runs(store: Lea
     assert claim(store, "t1")[0].code == "not-due"  # its own lease now, not the lost record
 
 
-def unsent_hand_off(store: LeaseStore) -> int:
-    """A task run once under publish p1 and handed off by A, which has not said it sent the
-    replacement yet (its send's window: a minute): A's token."""
+#: The worker whose process handed off: one start of it (its liveness record's id).
+WORKER = "host/100/start"
+
+
+def unsent_hand_off(store: LeaseStore, redis_client: redis.Redis, alive_ms: int = 3_600_000) -> int:
+    """A task run once under publish p1 and handed off by A, a process of WORKER, which has not
+    said it sent the replacement yet: A's token. WORKER's liveness record holds ``alive_ms``."""
+    store.liveness.worker_alive(WORKER, alive_ms)
     state = held(store, owner=A, call=CALL, publish_id="p1")
-    assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, send_window_ms=60_000) == "ok"
+    assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, worker_id=WORKER) == "ok"
     return state.owner_token
 
 
-def test_a_hand_off_is_due_at_the_end_of_its_send_window_until_its_owner_says_it_sent(
+def worker_lapses(store: LeaseStore, redis_client: redis.Redis) -> dict[str, int]:
+    """WORKER's liveness record lapses (it was given 50 ms), and a reaper pass sees it."""
+    wait_for(lambda: store.server_time_ms() > 60 + int(redis_client.zscore(store.keys.workers, WORKER) or 0))
+    return store.liveness.lapse_dead_workers()
+
+
+def test_a_hand_off_waits_under_its_live_worker_however_long_its_send_takes(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    before = store.server_time_ms()
-    token = unsent_hand_off(store)
-    due = redis_client.zscore(store.keys.index, store.keys.lease("t1"))
-    assert due is not None and before + 60_000 <= due <= store.server_time_ms() + 60_000
-    assert claim(store, "t1")[0].code == "not-due"  # the replacement may still be on its way
-    assert store.replacement_sent("t1", A, token) == "ok"
-    assert store.replacement_sent("t1", A, token) == "ok"  # said again (a lost reply): the same answer
-    assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) is None
-    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", store.server_time_ms() - 1)  # a stray due time
-    assert claim(store, "t1")[0].code == "finished"  # sent: only the replacement starts the task id
+    unsent_hand_off(store, redis_client)
+    filed = redis_client.zrange(store.keys.reserved_by(WORKER), 0, -1, withscores=True)
+    assert [member for member, _ in filed] == [store.keys.lease("t1").encode()]
+    assert filed[0][1] > store.server_time_ms() + 500_000  # filed as long as the record lives
+    assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) is None  # nothing is due
+    assert store.liveness.lapse_dead_workers() == {}
     record = store.read("t1")
-    assert record is not None and record.status == LeaseStatus.HANDED_OFF
-    assert 0 < redis_client.pttl(store.keys.lease("t1")) <= 600_000
-    started = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
-    assert started.outcome == AcquireOutcome.NEW
-    assert "handoffSent" not in store.read("t1").raw  # type: ignore[union-attr]  # the new run's own
+    assert record is not None and record.status == LeaseStatus.HANDED_OFF and record.raw["handoffWorker"] == WORKER
 
 
-def test_an_owner_lost_between_its_hand_off_and_its_send_is_taken_over(
+def test_a_whole_worker_lost_between_its_hand_off_and_its_send_is_taken_over(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
-    # A whole worker killed after the hand-off, before the send: nobody writes WorkerLostError.
-    token = unsent_hand_off(store)
-    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", store.server_time_ms() - 1)
+    # Nobody writes WorkerLostError: the worker's liveness record lapses, and the reaper sees it.
+    token = unsent_hand_off(store, redis_client, alive_ms=50)
+    assert worker_lapses(store, redis_client) == {WORKER: 1}
     [result] = claim(store, "t1")
     assert result.code == "requeued" and result.cause == "gone" and result.state is not None
     assert json.loads(result.state.raw["call"]) == CALL and "handoffToken" not in result.state.raw
-    assert result.state.takeovers == 1
+    assert "handoffWorker" not in result.state.raw and result.state.takeovers == 1
+    assert not redis_client.exists(store.keys.reserved_by(WORKER))
     # The owner, had it lived on and sent after all, says so too late: nothing changes.
-    assert store.replacement_sent("t1", A, token) == "finished"
+    assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "finished"
     again = acquire(store, owner=B, publish_id="p1")
     assert again.outcome == AcquireOutcome.TAKEOVER and again.token > token
-    assert store.replacement_sent("t1", A, token) == "stale-token"
+    assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "stale-token"
     late = acquire(store, owner=C, publish_id="p1", handed_off_by=str(token))
     assert late.outcome == AcquireOutcome.DUPLICATE  # its replacement, come late, is a copy
 
 
-def test_a_process_lost_after_it_sent_its_replacement_leaves_the_hand_off_as_it_is(store: LeaseStore) -> None:
-    token = unsent_hand_off(store)
-    assert store.replacement_sent("t1", A, token) == "ok"
-    assert lost_write(store, "host/1/") == "foreign"  # Celery's WorkerLostError: the replacement is on its way
+def test_a_hand_off_said_sent_waits_for_its_replacement_whatever_becomes_of_its_worker(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    token = unsent_hand_off(store, redis_client, alive_ms=50)
+    assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "ok"
+    assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "ok"  # said again (a lost reply)
+    assert redis_client.zscore(store.keys.reserved_by(WORKER), store.keys.lease("t1")) is None
+    assert worker_lapses(store, redis_client) == {WORKER: 0}
+    assert lost_write(store, "host/1/") == "foreign"  # Celery's WorkerLostError of the process: on its way
     assert claim(store, "t1")[0].code == "finished"
-
-
-def test_a_replacement_that_started_first_is_not_touched_by_the_owners_word(store: LeaseStore) -> None:
-    token = unsent_hand_off(store)
     started = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
     assert started.outcome == AcquireOutcome.NEW
-    assert store.replacement_sent("t1", A, token) == "stale-token"
-    lease = store.read("t1")
-    assert lease is not None and lease.status == LeaseStatus.RUNNING and lease.owner_token == started.token
+    assert {"handoffSent", "handoffWorker"}.isdisjoint(store.read("t1").raw)  # type: ignore[union-attr]
+
+
+def test_a_lapsed_worker_leaves_a_replacement_that_started_and_a_later_hand_off_alone(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    token = unsent_hand_off(store, redis_client, alive_ms=50)
+    started = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert started.outcome == AcquireOutcome.NEW
+    assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "stale-token"
+    # The replacement's run hands off in turn, from another worker.
+    assert store.hand_off("t1", B, started.token, keep_ms=600_000, worker_id="host/200/other") == "ok"
+    assert worker_lapses(store, redis_client) == {WORKER: 0}
+    record = store.read("t1")
+    assert record is not None and record.status == LeaseStatus.HANDED_OFF and record.owner_token == started.token
+    assert claim(store, "t1")[0].code == "finished"

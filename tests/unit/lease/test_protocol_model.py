@@ -234,7 +234,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def hand_off(self, owner: Owner) -> None:
         """``Task.replace()``: the owner passes the task id to a replacement."""
         had_lease = self.lease_exists(owner.task_id)
-        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token, send_window_ms=REQUEUE_MS)
+        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token)
         self.model.handed_off(owner, code in HANDOFF_SUCCEEDS, code.value, had_lease)
 
     @rule(owner=owners)
@@ -537,19 +537,26 @@ COUNTEREXAMPLES = [
         id="a-write-back-after-the-counter-was-evicted",
     ),
     pytest.param(
-        [("deliver", {}), ("hand_off", {"owner": OWNER + "0"}), ("time_passes", {}), ("claim", {})],
-        id="a-hand-off-whose-replacement-was-never-sent",
+        [
+            ("deliver", {}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("replacement_sent", {"owner": OWNER + "0"}),
+            ("tokenless_write", {"owner": OWNER + "0", "worker_lost": True}),
+            ("time_passes", {}),
+            ("claim", {}),
+        ],
+        id="a-process-lost-after-it-sent-its-replacement",
     ),
     pytest.param(
         [
             ("deliver", {}),
             ("hand_off", {"owner": OWNER + "0"}),
+            ("tokenless_write", {"owner": OWNER + "0", "worker_lost": True}),
             ("replacement_sent", {"owner": OWNER + "0"}),
             ("time_passes", {}),
             ("claim", {}),
-            ("deliver", {}),
         ],
-        id="a-hand-off-whose-replacement-was-sent",
+        id="a-hand-off-said-sent-after-its-process-was-taken-for-lost",
     ),
 ]
 

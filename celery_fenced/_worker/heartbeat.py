@@ -28,7 +28,7 @@ from .._task.owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
 from .._telemetry.process import TELEMETRY
 from .loop import TickLoop
 
-__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener"]
+__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener", "write_back"]
 
 logger = logging.getLogger("celery_fenced.heartbeat")
 
@@ -320,7 +320,7 @@ class Heartbeat:
         if lease.lost_reason is not None:
             return None
         try:
-            code = _write_back(self._get_store(), lease, self._clock())
+            code = write_back(self._get_store(), lease, self._clock())
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
             return None
@@ -343,7 +343,7 @@ class Heartbeat:
         for task_id, lease in list(self._expired_unseen.items()):
             try:
                 vanished = store.owner_token(task_id) is None
-                if vanished and _write_back(store, lease, self._clock(), lapsed=True) == RestoreOutcome.RESTORED:
+                if vanished and write_back(store, lease, self._clock(), lapsed=True) == RestoreOutcome.RESTORED:
                     logger.warning(
                         "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
                         "Redis while this owner could not renew it",
@@ -380,7 +380,7 @@ class Heartbeat:
         return self._store
 
 
-def _write_back(store: LeaseStore, lease: OwnedLease, now: float, *, lapsed: bool = False) -> RestoreOutcome:
+def write_back(store: LeaseStore, lease: OwnedLease, now: float, *, lapsed: bool = False) -> RestoreOutcome:
     """Write a vanished lease back as its owner holds it (``restore.lua``), if its last
     renewal (at ``now`` on the monotonic clock) is less than a TTL ago; with ``lapsed``,
     given up, for the reaper to re-send, whatever that age."""

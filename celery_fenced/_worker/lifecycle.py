@@ -33,7 +33,7 @@ from .. import signals as fenced_signals
 from .._backend.fence import WriterFence, fence_of, put_fence
 from .._celery.compat import get_actual_ignore_result
 from .._celery.headers import HANDED_OFF_BY_HEADER, PUBLISH_ID_HEADER
-from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome
+from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome, RestoreOutcome
 from .._lease.store import lease_store_of
 from .._task.calls import name_callbacks, recorded_call, retry_call
 from .._task.owner import OwnedLease
@@ -42,7 +42,7 @@ from .._telemetry import events, tracing
 from ..conf import TaskPolicy, ensure_conf, forget_window
 from ..exceptions import LeaseInterrupted, LeaseLostError, StaleOwnerError
 from .attempt import Attempt, attempt_of, report_the_end, skip
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, write_back
 from .interrupt import body_runner, end_of_body
 from .process import WORKER_PROCESS
 from .request import cancelled_here
@@ -262,14 +262,45 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
         keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
     # Filed under this start of the worker until the owner says it sent the replacement: a
     # whole worker lost in between (its liveness record lapses) is taken over.
-    code = store.hand_off(
-        lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, worker_id=WORKER_PROCESS.worker_id
+    hand = partial(
+        store.hand_off, lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, worker_id=WORKER_PROCESS.worker_id
     )
+    code = hand()
+    if code == ReleaseOutcome.MISSING:
+        code = _hand_off_vanished(store, lease, hand)
     if code != ReleaseOutcome.OK:
-        # MISSING too: a lease that vanished may have been taken over and handed off (or
-        # finished) by a newer owner whose record vanished with it.
         _lost_on_end(lease, code, "hand-off to the replacement")
     logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
+
+
+def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], ReleaseOutcome]) -> ReleaseOutcome:
+    """The lease vanished before the hand-off (an eviction, a FLUSH, a failover that lost
+    writes): a missing lease is never a hand-off, as a newer owner's record may have vanished
+    with it. Written back as the heartbeat writes a vanished lease back (``restore.lua``): while
+    the owner's last renewal is less than a TTL ago, nobody else can hold the task, and the
+    owner hands off again; else it is written back given up, for the reaper to re-send the
+    task, and nothing is sent (``MISSING``)."""
+    code = write_back(store, lease, time.monotonic())
+    if code == RestoreOutcome.RESTORED:
+        logger.warning(
+            "lease restored: task %s[%s] token=%s: its hash had vanished from Redis before its hand-off",
+            lease.task_name,
+            lease.task_id,
+            lease.token,
+        )
+        return hand()
+    if (
+        code == RestoreOutcome.EXPIRED
+        and write_back(store, lease, time.monotonic(), lapsed=True) == RestoreOutcome.RESTORED
+    ):
+        logger.warning(
+            "task %s[%s] token=%s: its lease vanished from Redis before its hand-off, and could have expired: "
+            "given up for a takeover, no replacement sent",
+            lease.task_name,
+            lease.task_id,
+            lease.token,
+        )
+    return ReleaseOutcome.MISSING
 
 
 def replacement_sent(task: Any, lease: OwnedLease) -> None:

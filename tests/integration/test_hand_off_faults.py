@@ -202,14 +202,6 @@ def test_a_replacement_killed_between_its_own_hand_off_and_the_send_is_taken_ove
     assert "re-sent (cause=gone" in worker.log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hand_off() (celery_fenced/_worker/lifecycle.py) takes release.lua's 'missing' as a lost "
-    "lease: LeaseLostError, the body ends as Ignore, nothing is sent or stored, and the heartbeat "
-    "(unregistered by _stop_serving) never writes the lease back; with no lease, no index entry and "
-    "no result, nothing ever runs or ends the task. A lease that vanishes at any other moment of a "
-    "live owner is written back (restore.lua)",
-)
 def test_a_lease_that_vanished_right_before_the_hand_off_still_ends_the_task(cluster: Cluster) -> None:
     """docs/guarantees.rst: a lease hash that vanished (a lost write, an eviction, a ``FLUSH``)
     is written back by its live owner, so the task finishes. Here it vanishes after the last

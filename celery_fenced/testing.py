@@ -161,6 +161,13 @@ def fenced_worker(fenced_app: Any) -> Iterator[Any]:
         # while their Redis is still up, instead of retrying against a stopped one later.
         with contextlib.suppress(AssertionError):
             wait_until(lambda: not state.active_requests, 10, "the tasks left running to end")
+    # A worker process stops its heartbeat once Celery's worker_shutdown comes; a worker run in
+    # a thread of the test session gets none: its threads stop here, not with the session.
+    from celery_fenced._worker.runtime import runtime_of
+
+    runtime = runtime_of(fenced_app, create=False)
+    if runtime is not None:
+        runtime.stop()
 
 
 @pytest.fixture

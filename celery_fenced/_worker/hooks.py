@@ -105,6 +105,11 @@ class FencedWorkerStep(bootsteps.StartStopStep):
     def stop(self, parent: Any) -> None:
         stop_runtimes(heartbeat=False)
 
+    def terminate(self, parent: Any) -> None:
+        """Celery's terminate (a cold shutdown, ``WorkerTerminate``) calls this, not
+        :meth:`stop`: the same threads stop."""
+        self.stop(parent)
+
 
 def register_reap_command() -> None:
     """Register the ``celery_fenced.reap`` control command: it wakes the worker's reaper thread.

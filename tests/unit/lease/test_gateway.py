@@ -73,17 +73,19 @@ def test_an_exception_between_the_command_and_its_reply_does_not_leave_the_reply
     connections = store.scripts.acquire.connections
     assert connections.execute("PING")  # connected: what follows is the command's own send
     connection = connections.connection()
-    send = type(connection).send_packed_command
+    send = connection.send_packed_command
     interrupted = []
 
-    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        send(self, *args, **kwargs)
+    def sent_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        send(*args, **kwargs)
         if not interrupted:
             interrupted.append(True)
             raise KeyboardInterrupt  # as an exception raised into the thread would be
         return None
 
-    monkeypatch.setattr(type(connection), "send_packed_command", sent_then_interrupted)
+    # This connection's only: another thread's (a worker's reaper another test left running)
+    # must not take the interrupt.
+    monkeypatch.setattr(connection, "send_packed_command", sent_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         connections.execute("ECHO", "first")
     # The next command reads its own reply, not the first one's.

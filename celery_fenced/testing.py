@@ -163,7 +163,7 @@ def fenced_worker(fenced_app: Any) -> Iterator[Any]:
             wait_until(lambda: not state.active_requests, 10, "the tasks left running to end")
     # A worker process stops its heartbeat once Celery's worker_shutdown comes; a worker run in
     # a thread of the test session gets none: its threads stop here, not with the session.
-    from celery_fenced._worker.runtime import runtime_of
+    from ._worker.runtime import runtime_of
 
     runtime = runtime_of(fenced_app, create=False)
     if runtime is not None:

@@ -29,10 +29,16 @@ class Collected(logging.Handler):
 
 
 @pytest.fixture(autouse=True)
-def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The module's per-process memory, as a process that warned of nothing has it."""
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The module's per-process memory, as a process that warned of nothing has it; and its
+    logger saying warnings whatever an earlier test left on the root logger (an in-process
+    worker sets the root's level to ERROR)."""
     monkeypatch.setattr(startup, "_warned", set())
     monkeypatch.setattr(startup, "_pending", [])
+    level = startup.logger.level
+    startup.logger.setLevel(logging.WARNING)
+    yield
+    startup.logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -122,10 +122,10 @@ else
       local writer = ARGV[8] or ''
       if ARGV[9] == '1' and writer ~= '' and string.sub(cur[3] or '', 1, #writer) == writer
           and redis.call('HGET', KEYS[1], 'handoffSent') ~= '1' then
-        -- The process that handed off was lost: it may have died before its replacement was
-        -- sent (it did not say it sent it), and then nothing would ever start the task id. Unless the replacement starts
-        -- (is received) within ARGV[7] ms, the reaper undoes the hand-off and takes the task
-        -- over (claim.lua).
+        -- The process that handed off was lost before it said it sent its replacement: it may
+        -- have died before the send, and then nothing would ever start the task id. Unless the
+        -- replacement starts (is received) within ARGV[7] ms, the reaper undoes the hand-off and
+        -- takes the task over (claim.lua).
         local now_arg = now_ms_text()
         local due = int_arg(tonumber(now_arg) + tonumber(ARGV[7] or '0'))
         redis.call('ZADD', KEYS[3], due, KEYS[1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import redis
 
 from celery_fenced._lease.finished import FENCE_RUN
@@ -371,3 +372,147 @@ def test_a_lapsed_worker_leaves_a_replacement_that_started_and_a_later_hand_off_
     record = store.read("t1")
     assert record is not None and record.status == LeaseStatus.HANDED_OFF and record.owner_token == started.token
     assert claim(store, "t1")[0].code == "finished"
+
+
+# -- what the filing under the worker still misses ----------------------------------------------
+
+
+def the_worker_is_gone(store: LeaseStore) -> None:
+    """WORKER (its liveness record given 50 ms, or removed) is gone for good: a reaper pass
+    looks at the workers once its record would have lapsed."""
+    deadline = store.server_time_ms() + 60
+    wait_for(lambda: store.server_time_ms() > deadline)
+    store.liveness.lapse_dead_workers()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "worker_left.lua (a warm or cold shutdown: FencedWorkerStep.stop/terminate, which may run before the "
+        "pool has drained) deletes the worker's reservations set and its liveness record while a hand-off of "
+        "one of its processes is filed there unsent, and release.lua files a hand-off made after it under a "
+        "worker that has no record: the worker killed before the send (its grace period over, a cold "
+        "shutdown, a thread/solo/gevent pool dying with its process), no record ever lapses, lapse_worker.lua "
+        "never runs for it, and the HANDED_OFF record is never due: the task never runs again nor ends"
+    ),
+)
+@pytest.mark.parametrize("when", ["handed-off-before-the-shutdown", "handed-off-while-the-pool-drains"])
+def test_a_hand_off_unsent_when_its_worker_stops_is_taken_over_once_the_worker_is_gone(
+    store: LeaseStore, redis_client: redis.Redis, when: str
+) -> None:
+    store.liveness.worker_alive(WORKER, 50)
+    state = held(store, owner=A, call=CALL, publish_id="p1")
+    if when == "handed-off-before-the-shutdown":
+        assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, worker_id=WORKER) == "ok"
+        store.liveness.worker_left(WORKER)
+    else:
+        store.liveness.worker_left(WORKER)
+        assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, worker_id=WORKER) == "ok"
+    # The process is killed before its send: it says nothing more, nor does its worker.
+    the_worker_is_gone(store)
+    key = store.keys.lease("t1")
+    assert redis_client.zscore(store.keys.index, key) is not None, "no reaper will ever look at the record"
+    redis_client.hset(key, "leaseExpireAt", store.server_time_ms() - 1)  # its time passes
+    [result] = claim(store, "t1")
+    assert (result.code, result.cause) == ("requeued", "gone")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "store.lua refuses as 'foreign' every tokenless write of the handing process on an unsent HANDED_OFF "
+        "record but a WorkerLostError: a hard time limit (Celery's main process stores TimeLimitExceeded, the "
+        "message put back or not) or revoke(terminate=True) (REVOKED) that kills the process between its "
+        "hand-off and its send leaves the record unsent and never due while its worker lives (lapse_worker.lua "
+        "acts only once the worker's liveness record lapses): the task never ends, a put-back copy does not run"
+    ),
+)
+@pytest.mark.parametrize(
+    "state, put_back",
+    [("FAILURE", False), ("FAILURE", True), ("REVOKED", False)],
+    ids=["hard-time-limit", "hard-time-limit-message-put-back", "revoked-terminate"],
+)
+def test_a_handing_process_ended_by_its_worker_before_its_send_does_not_leave_the_task_waiting(
+    store: LeaseStore, redis_client: redis.Redis, state: str, put_back: bool
+) -> None:
+    unsent_hand_off(store, redis_client)  # its worker lives on, for an hour
+    exc = "TimeLimitExceeded" if state == "FAILURE" else "Terminated"
+    meta_of_main = json.dumps({"status": state, "result": {"exc_type": exc, "exc_message": []}, "task_id": "t1"})
+    answer = store.store(
+        "t1",
+        None,
+        meta_of_main.encode(),
+        state=state,
+        kind="ready",
+        expires_ms=0,
+        retry_due_ms=60_000,
+        writer="host/1/",  # the process that handed off, killed by its worker's main process
+        put_back=put_back,
+    )
+    assert store.liveness.lapse_dead_workers() == {}
+    ended = redis_client.get(store.keys.result("t1")) is not None
+    due = redis_client.zscore(store.keys.index, store.keys.lease("t1")) is not None
+    assert ended or due, f"the main process's {state} answered {answer.code}: the record waits for ever"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "replacement_sent.lua takes the filing out of the worker's set only while the record is still this "
+        "hand-off's HANDED_OFF record, and hand_back.lua never does: once the replacement was received first "
+        "(reserve.lua made it RESERVED; the owner hears 'finished') or the hand-off was taken back, the filing "
+        "stays, scored at the record's expiry (+inf without a result expiry), which reserve.lua's "
+        "ZREMRANGEBYSCORE never trims: a live worker's set grows by one per such hand-off for its lifetime"
+    ),
+)
+@pytest.mark.parametrize("then", ["replacement-received-first", "handed-back"])
+def test_a_hand_off_leaves_its_workers_set_once_its_owner_is_done_with_it(
+    store: LeaseStore, redis_client: redis.Redis, then: str
+) -> None:
+    store.liveness.worker_alive(WORKER, 3_600_000)
+    token = held(store, owner=A, call=CALL, publish_id="p1").owner_token
+    assert store.hand_off("t1", A, token, keep_ms=0, worker_id=WORKER) == "ok"  # no result expiry
+    if then == "replacement-received-first":
+        replacement = Reservation("t1", 5000, "proj.other", NEW_CALL, 3, publish_id="p1", handed_off_by=str(token))
+        assert store.reserve_many([replacement], "w2@host", worker_id="w2@host/7/x") == ["reserved"]
+        assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "finished"
+    else:
+        assert store.hand_back("t1", A, token, ttl_ms=30_000) == "ok"
+        failed = store.store("t1", token, meta(token, "p1/1/0", "FAILURE"), state="FAILURE", kind="ready", expires_ms=0)
+        assert failed.stored
+    # The worker's next reservations trim what is due in its set.
+    later = Reservation("t2", 5000, "proj.task", CALL, 3, publish_id="q1")
+    assert store.reserve_many([later], "host", worker_id=WORKER) == ["reserved"]
+    assert redis_client.zscore(store.keys.reserved_by(WORKER), store.keys.lease("t1")) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "restore.lua writes a vanished lease back without the run's handoffToken (nor its publishId): a "
+        "replacement's run whose lease vanished before its own hand-off (lifecycle._hand_off_vanished) hands "
+        "off with no handoffPrior, so once that hand-off is undone (its worker lost before the send) the lease "
+        "keeps no hand-off token, the reaper's re-send names none, and a late copy of the first replaced "
+        "message runs the replaced body again"
+    ),
+)
+def test_a_replacement_run_restored_before_its_hand_off_keeps_the_hand_off_that_started_it(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    first = handed_off(store)
+    run = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(first))
+    assert run.outcome == AcquireOutcome.NEW
+    redis_client.delete(store.keys.lease("t1"))  # evicted
+    restored = store.restore(
+        "t1", B, run.token, ttl_ms=3000, task_name="proj.other", call=NEW_CALL, attempt=1, takeovers=0,
+        max_takeovers=3, renewal_age_ms=0,
+    )  # fmt: skip
+    assert restored == RestoreOutcome.RESTORED
+    store.liveness.worker_alive(WORKER, 50)
+    assert store.hand_off("t1", B, run.token, keep_ms=600_000, worker_id=WORKER) == "ok"
+    assert worker_lapses(store, redis_client) == {WORKER: 1}  # lost before its send
+    [claimed] = claim(store, "t1")
+    assert claimed.code == "requeued" and claimed.state is not None and claimed.state.call == NEW_CALL
+    copy = acquire(store, owner=C, call=CALL, publish_id="p1")  # a late copy of the first, replaced message
+    assert copy.outcome == AcquireOutcome.HANDED_OFF
+    assert claimed.state.raw.get("handoffToken") == str(first)

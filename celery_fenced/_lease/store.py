@@ -347,20 +347,26 @@ class LeaseStore:
         ``"not-owner"``, ``"missing"``).
         """
         keys = [self.keys.lease(_require_task_id(task_id))]
+        args: list[Any] = [owner_id, _require_token(token)]
         if worker_id:
             keys.append(self.keys.reserved_by(worker_id))
-        args: list[Any] = [owner_id, _require_token(token)]
+            args.append(worker_id)
         return outcome(ReleaseOutcome, "replacement_sent", self.retry(self.scripts.replacement_sent, keys, args)[0])
 
-    def hand_back(self, task_id: str, owner_id: str, token: int, *, ttl_ms: int) -> ReleaseOutcome:
+    def hand_back(
+        self, task_id: str, owner_id: str, token: int, *, ttl_ms: int, worker_id: str | None = None
+    ) -> ReleaseOutcome:
         """Take back a hand-off whose replacement could not be sent (``hand_back.lua``; run
         again under ``retry``).
 
         Only the owner's own ``HANDED_OFF`` record, before anything started the task id
         since: the lease is the owner's again, ``RUNNING`` for ``ttl_ms``, so its error is
-        stored through the fence. Returns ``"ok"``, or why there is nothing to take back.
+        stored through the fence; its filing leaves ``worker_id``'s reservations. Returns
+        ``"ok"``, or why there is nothing to take back.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        if worker_id:
+            keys.append(self.keys.reserved_by(worker_id))
         args: list[Any] = [owner_id, _require_token(token), max(1, int(ttl_ms))]
         return outcome(ReleaseOutcome, "hand_back", self.retry(self.scripts.hand_back, keys, args)[0])
 

@@ -338,7 +338,9 @@ def hand_back(task: Any, lease: OwnedLease, error: BaseException) -> None:
     never end. Taken back, the lease is the owner's again until that write ends it.
     """
     store = task.backend.lease_store
-    code = store.hand_back(lease.task_id, lease.owner_id, lease.token, ttl_ms=lease.policy.lease_ttl_ms)
+    code = store.hand_back(
+        lease.task_id, lease.owner_id, lease.token, ttl_ms=lease.policy.lease_ttl_ms, worker_id=WORKER_PROCESS.worker_id
+    )
     if code != ReleaseOutcome.OK:
         logger.warning(
             "hand-off of task %s[%s] token=%s not taken back (%s) after its replacement's send failed: %r",

@@ -3,6 +3,7 @@
 --
 -- KEYS[1]  lease hash
 -- KEYS[2]  expiry index
+-- KEYS[3]  optional: the reservations of the owner's worker, where the hand-off filed it
 -- ARGV[1]  ownerId
 -- ARGV[2]  ownerToken: the token that handed off (the record's handoffToken)
 -- ARGV[3]  lease TTL, ms
@@ -27,7 +28,10 @@ end
 local now = now_ms()
 local now_arg = int_arg(now)
 local expire_arg = int_arg(now + tonumber(ARGV[3]))
-redis.call('HDEL', KEYS[1], 'handedOffAt', 'handoffPrior', 'handoffToken')
+redis.call('HDEL', KEYS[1], 'handedOffAt', 'handoffPrior', 'handoffToken', 'handoffSent', 'handoffWorker')
+if KEYS[3] then
+  redis.call('ZREM', KEYS[3], KEYS[1])
+end
 if record[2] then
   redis.call('HSET', KEYS[1], 'handoffToken', record[2])
 end

@@ -6,25 +6,30 @@
 -- KEYS[2]  optional: the reservations of the owner's worker, where the hand-off filed it
 -- ARGV[1]  ownerId
 -- ARGV[2]  ownerToken: the token that handed off (the record's handoffToken)
+-- ARGV[3]  with KEYS[2]: the worker's id (the record's handoffWorker)
 --
 -- Until this is said, an owner lost (its process: store.lua; its whole worker:
 -- lapse_worker.lua) makes the record due, and the reaper undoes the hand-off and takes the task
 -- over (claim.lua), as the replacement may never have been sent. Once said, the record waits
 -- for the replacement, sent and on its way. Only this owner's own record, as the hand-off left
 -- it: once the replacement started, or the reaper undid the hand-off, nothing is written.
--- Said again (a lost reply): "ok" again.
+-- Said again (a lost reply): "ok" again. Whatever the answer, the filing leaves the worker's
+-- set (its owner is done with it), unless the record is a newer hand-off of the same worker,
+-- not said sent (a replacement's run on this worker that handed off in turn).
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "missing" | "finished" (no hand-off of
 -- this token waits for its replacement)
+local r = redis.call('HMGET', KEYS[1], 'status', 'handoffToken', 'handoffWorker', 'handoffSent')
 local refusal, status = owner_refusal(KEYS[1], ARGV[1], ARGV[2])
+local mine = not refusal and status == 'HANDED_OFF' and r[2] == ARGV[2]
+if KEYS[2] and (mine or not (r[1] == 'HANDED_OFF' and r[3] == ARGV[3] and r[4] ~= '1')) then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+end
 if refusal then
   return {refusal}
 end
-if status ~= 'HANDED_OFF' or redis.call('HGET', KEYS[1], 'handoffToken') ~= ARGV[2] then
+if not mine then
   return {'finished'}
 end
 redis.call('HSET', KEYS[1], 'handoffSent', 1)
-if KEYS[2] then
-  redis.call('ZREM', KEYS[2], KEYS[1])
-end
 return {'ok'}

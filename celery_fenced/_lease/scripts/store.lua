@@ -62,7 +62,9 @@
 --               replacement has not started by then (it may never have been sent; one its
 --               owner said it sent, replacement_sent.lua, is "foreign")
 --   "foreign"   refused: a tokenless write not from the owner's process, while an owner
---               is live (RUNNING, STALLED) or for a state other than REVOKED; a FAILURE
+--               is live (RUNNING, STALLED) or for a state other than REVOKED (a READY state
+--               of the process that handed a HANDED_OFF record off, not said sent, undoes the
+--               hand-off and is that owner's end: stored, or REQUEUED when put back); a FAILURE
 --               of a RESERVED lease (a delivery that could not take it) from a pool
 --               process or from the host that reserved it is its owner's
 --   "sticky"    not written: a SUCCESS is already stored (Celery's own rule), with no lease,
@@ -118,10 +120,11 @@ else
     return {'finished', status}
   end
   if status == 'HANDED_OFF' then
-    if (ARGV[10] or '') ~= redis.call('HGET', KEYS[1], 'handoffToken') then
+    local h = redis.call('HMGET', KEYS[1], 'handoffToken', 'handoffSent', 'handoffPrior')
+    if (ARGV[10] or '') ~= h[1] then
       local writer = ARGV[8] or ''
-      if ARGV[9] == '1' and writer ~= '' and string.sub(cur[3] or '', 1, #writer) == writer
-          and redis.call('HGET', KEYS[1], 'handoffSent') ~= '1' then
+      local handing = writer ~= '' and string.sub(cur[3] or '', 1, #writer) == writer and h[2] ~= '1'
+      if handing and ARGV[9] == '1' then
         -- The process that handed off was lost before it said it sent its replacement: it may
         -- have died before the send, and then nothing would ever start the task id. Unless the
         -- replacement starts (is received) within ARGV[7] ms, the reaper undoes the hand-off and
@@ -132,8 +135,23 @@ else
         redis.call('HSET', KEYS[1], 'leaseExpireAt', due, 'lapsedAt', now_arg, 'lapseReason', 'worker-lost')
         return {'lapsed', status}
       end
-      return {'foreign', status}
+      if not (handing and kind == 'ready') then
+        return {'foreign', status}
+      end
+      -- The process that handed off was ended by its own worker before it said it sent its
+      -- replacement (a hard time limit, revoke(terminate=True)): the hand-off is undone, as
+      -- hand_back.lua undoes it, and the write is the owner's end, as for its running lease
+      -- (stored and final; put back, REQUEUED). A replacement sent after all is then a copy.
+      redis.call('HDEL', KEYS[1], 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent', 'handoffWorker')
+      if h[3] then
+        redis.call('HSET', KEYS[1], 'handoffToken', h[3])
+      end
+      redis.call('PERSIST', KEYS[1])
+      redis.call('HSET', KEYS[1], 'status', 'RUNNING')
+      status = 'RUNNING'
     end
+  end
+  if status == 'HANDED_OFF' then
     write_result(KEYS[2], meta, expires)
     if kind ~= 'ready' then
       return {'stored', status}

@@ -404,11 +404,22 @@ class ProtocolModel:
             # that is not a fenced task); the run that handed off is refused. The process
             # that handed off, lost (a WorkerLostError), makes the record due: its replacement
             # may never have been sent.
-            if worker_lost and owner.token == task.handoff_token and task.holder is None and not task.sent:
+            handing = owner.token == task.handoff_token and task.holder is None and not task.sent
+            if handing and worker_lost:
                 if code != "lapsed":
                     self.violated("model-mismatch", f"{where}: expected lapsed (the handing process lost)")
                 else:
                     task.lost_handoff, task.due = True, False
+                return
+            if handing and owner.handed_off_by != str(task.handoff_token):
+                # Its process ended by its worker before it said it sent (a terminate, a time
+                # limit): the hand-off undone, the write that owner's end.
+                if code != "stored":
+                    self.violated("model-mismatch", f"{where}: expected stored (the handing process ended)")
+                    return
+                self.undo_handoff(task)
+                task.status, task.holder, task.result, task.ended_by = DONE, None, True, None
+                task.done_publish = owner.message
                 return
             if owner.handed_off_by != str(task.handoff_token):
                 if code == "stored":
@@ -450,8 +461,25 @@ class ProtocolModel:
     def wrote_put_back(self, owner: Owner, code: str) -> None:
         """A hard time limit's FAILURE from the owner's process, after which Celery puts the
         message back (``task_acks_late``, ``acks_on_timeout`` off): the lease of that process,
-        live or given up, is left REQUEUED for the message; otherwise as any tokenless write."""
+        live or given up, is left REQUEUED for the message; otherwise as any tokenless write.
+        A hand-off of that process not said sent is undone first."""
         task = self.tasks[owner.task_id]
+        handing = (
+            task.status == HANDED_OFF
+            and owner.token == task.handoff_token
+            and task.holder is None
+            and not task.sent
+            and owner.handed_off_by != str(task.handoff_token)
+        )
+        if handing:
+            where = f"a put-back FAILURE of {owner!r}'s process answered {code} (task {task.status})"
+            if code != "stored":
+                self.violated("model-mismatch", f"{where}: expected stored (the handing process ended)")
+                return
+            self.undo_handoff(task)
+            task.status, task.holder, task.expired, task.due, task.result = REQUEUED, owner, False, False, True
+            owner.believes_live = False
+            return
         if task.status not in (RUNNING, LAPSED) or task.holder is not owner:
             if task.status in HELD and task.holder is not owner:
                 if code != "foreign":
@@ -533,6 +561,13 @@ class ProtocolModel:
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not taken back")
 
+    @staticmethod
+    def undo_handoff(task: TaskModel) -> None:
+        """A hand-off whose replacement may never have been sent is undone: the replaced
+        messages and the lease's hand-off token as they were before it."""
+        task.handed_off, task.handoff_token = task.before_handoff
+        task.lost_handoff = False
+
     def said_sent(self, owner: Owner, code: str) -> None:
         """The owner that handed off sent its replacement and says so: its own record, as the
         hand-off left it, is no longer due; nothing else changes."""
@@ -579,8 +614,8 @@ class ProtocolModel:
         if lost and code in ("requeued", "abandoned"):
             # Undone as a hand-back undoes it; the replacement, if it was sent after all, is a
             # message like any other (a takeover of the claimed task, or a copy of its run).
-            task.handed_off, task.handoff_token = task.before_handoff
-            task.lost_handoff, task.holder = False, task.handed_off_owner
+            self.undo_handoff(task)
+            task.holder = task.handed_off_owner
         if code == "requeued":
             task.status, task.expired, task.due = REQUEUED, False, False
             if counted:

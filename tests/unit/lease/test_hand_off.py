@@ -150,7 +150,9 @@ def test_only_the_replacements_message_is_reserved(store: LeaseStore, redis_clie
 
 def test_a_replacement_that_is_not_fenced_stores_its_result_and_ends_the_record(store: LeaseStore) -> None:
     token = handed_off(store)
-    # The replaced run's own process (its main process: a lost child, a time limit) is refused.
+    assert store.replacement_sent("t1", A, token) == "ok"
+    # The replaced run's own process, once its replacement was sent (its main process: a lost
+    # child, a time limit), is refused.
     lost = store.store("t1", None, b'{"status": "FAILURE"}', state="FAILURE", kind="ready", expires_ms=0, writer=A[:7])
     assert (lost.code, lost.detail) == ("foreign", "HANDED_OFF")
     result = store.store(
@@ -417,16 +419,6 @@ def test_a_hand_off_unsent_when_its_worker_stops_is_taken_over_once_the_worker_i
     assert (result.code, result.cause) == ("requeued", "gone")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "store.lua refuses as 'foreign' every tokenless write of the handing process on an unsent HANDED_OFF "
-        "record but a WorkerLostError: a hard time limit (Celery's main process stores TimeLimitExceeded, the "
-        "message put back or not) or revoke(terminate=True) (REVOKED) that kills the process between its "
-        "hand-off and its send leaves the record unsent and never due while its worker lives (lapse_worker.lua "
-        "acts only once the worker's liveness record lapses): the task never ends, a put-back copy does not run"
-    ),
-)
 @pytest.mark.parametrize(
     "state, put_back",
     [("FAILURE", False), ("FAILURE", True), ("REVOKED", False)],
@@ -455,16 +447,6 @@ def test_a_handing_process_ended_by_its_worker_before_its_send_does_not_leave_th
     assert ended or due, f"the main process's {state} answered {answer.code}: the record waits for ever"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "replacement_sent.lua takes the filing out of the worker's set only while the record is still this "
-        "hand-off's HANDED_OFF record, and hand_back.lua never does: once the replacement was received first "
-        "(reserve.lua made it RESERVED; the owner hears 'finished') or the hand-off was taken back, the filing "
-        "stays, scored at the record's expiry (+inf without a result expiry), which reserve.lua's "
-        "ZREMRANGEBYSCORE never trims: a live worker's set grows by one per such hand-off for its lifetime"
-    ),
-)
 @pytest.mark.parametrize("then", ["replacement-received-first", "handed-back"])
 def test_a_hand_off_leaves_its_workers_set_once_its_owner_is_done_with_it(
     store: LeaseStore, redis_client: redis.Redis, then: str
@@ -477,7 +459,7 @@ def test_a_hand_off_leaves_its_workers_set_once_its_owner_is_done_with_it(
         assert store.reserve_many([replacement], "w2@host", worker_id="w2@host/7/x") == ["reserved"]
         assert store.replacement_sent("t1", A, token, worker_id=WORKER) == "finished"
     else:
-        assert store.hand_back("t1", A, token, ttl_ms=30_000) == "ok"
+        assert store.hand_back("t1", A, token, ttl_ms=30_000, worker_id=WORKER) == "ok"
         failed = store.store("t1", token, meta(token, "p1/1/0", "FAILURE"), state="FAILURE", kind="ready", expires_ms=0)
         assert failed.stored
     # The worker's next reservations trim what is due in its set.

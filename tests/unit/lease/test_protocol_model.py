@@ -558,6 +558,26 @@ COUNTEREXAMPLES = [
         ],
         id="a-hand-off-said-sent-after-its-process-was-taken-for-lost",
     ),
+    pytest.param(
+        [
+            ("deliver", {}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("tokenless_write", {"owner": OWNER + "0", "worker_lost": False}),
+            ("deliver", {"replacement": True}),
+        ],
+        id="a-handing-process-terminated-before-its-send",
+    ),
+    pytest.param(
+        [
+            ("deliver", {}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("put_back_write", {"owner": OWNER + "0"}),
+            ("time_passes", {}),
+            ("claim", {}),
+            ("deliver", {}),
+        ],
+        id="a-handing-process-timed-out-before-its-send-its-message-put-back",
+    ),
 ]
 
 

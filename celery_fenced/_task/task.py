@@ -305,7 +305,9 @@ class ProgressLeasedTask(Task):
         except Ignore:  # sent: Celery ends the body with Ignore
             worker_lifecycle().replacement_sent(self, lease)
             raise
-        except Exception as exc:  # not sent: the error is the task's, stored by its owner
+        except BaseException as exc:
+            # Not sent (or not known to be): the error is the task's, stored by its owner. A
+            # BaseException too: gevent's hard time limit, an interrupt, SystemExit.
             worker_lifecycle().hand_back(self, lease, exc)
             raise
 

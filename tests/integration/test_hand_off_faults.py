@@ -216,3 +216,20 @@ def test_a_lease_that_vanished_right_before_the_hand_off_still_ends_the_task(clu
     [replacement] = replacement_runs(cluster, task_id)
     meta = stored(cluster, task_id)
     assert meta is not None and meta["fence_token"] == replacement["token"]
+
+
+def test_a_base_exception_escaping_the_send_takes_the_hand_off_back(cluster: Cluster) -> None:
+    """A BaseException out of the replacement's send (SystemExit here; an interrupt, gevent's
+    hard time limit): the owner takes its hand-off back, so the body's end is its own. On the
+    threads pool a SystemExit leaves the process alive and Celery stores nothing: the lease
+    lapses as for any body that never finished, and the task is taken over and replaced anew."""
+    app = cluster.app()
+    worker = cluster.worker("w1", pool="threads", concurrency=2, environ=FREEZE)
+    signature = app.replaced_with.s("fenced")
+    task_id = signature.freeze().id
+    cluster.record.set(f"exit-on-publish-of:{task_id}", 1)
+    result = signature.apply_async()
+    assert result.get(timeout=40) == "fenced"
+    assert len(cluster.runs(task_id)) == 2
+    assert step_names(cluster, task_id) == ["fenced"]
+    assert "taken back" in worker.log()

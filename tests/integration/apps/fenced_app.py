@@ -66,10 +66,13 @@ if os.environ.get("FENCED_TEST_FREEZE_ON_PUBLISH"):
     # once: an owner frozen between its last lease check and the send of its callbacks or its
     # chain's next step (a VM pause, a GC pause, a broker that holds the publish).
     # ``freeze-publish-of:<task id>`` does the same for a message of that task id itself (a
-    # retry's message).
+    # retry's message). ``exit-on-publish-of:<task id>`` raises SystemExit there instead (a
+    # BaseException escaping the send: an interrupt, gevent's hard time limit).
     @signals.before_task_publish.connect(weak=False)
     def freeze_before_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
         parent, own = (headers or {}).get("parent_id"), (headers or {}).get("id")
+        if own and record().delete(f"exit-on-publish-of:{own}"):
+            raise SystemExit("raised as the message is sent")
         if parent and record().delete(f"freeze-publish:{parent}"):
             record().rpush(f"frozen-publish:{parent}", os.getpid())
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -101,14 +101,19 @@ class WorkerRuntime:
         self.reservations.start()
 
     def stop(self, heartbeat: bool = True) -> None:
-        """Stop the reservation writer, the liveness record, the reaper thread and (unless
-        ``heartbeat`` is false) the heartbeat, and join them."""
+        """Stop the reservation writer and the reaper thread, and (unless ``heartbeat`` is
+        false: the pool may still run bodies) the liveness record and the heartbeat; join them.
+
+        The liveness record goes with the heartbeat, once the pool has stopped: while a body
+        may still run, a hand-off it makes is filed under the record, which must lapse, not
+        be removed, should the worker die before the send (``lapse_worker.lua``).
+        """
         if self.reservations is not None:
             self.reservations.stop()
-        if self.liveness is not None:
-            self.liveness.stop()
         if self.reaper is not None:
             self.reaper.stop()
+        if heartbeat and self.liveness is not None:
+            self.liveness.stop()
         if heartbeat and self._heartbeat is not None:
             self._heartbeat.stop()
 

@@ -379,46 +379,6 @@ def test_a_lapsed_worker_leaves_a_replacement_that_started_and_a_later_hand_off_
 # -- what the filing under the worker still misses ----------------------------------------------
 
 
-def the_worker_is_gone(store: LeaseStore) -> None:
-    """WORKER (its liveness record given 50 ms, or removed) is gone for good: a reaper pass
-    looks at the workers once its record would have lapsed."""
-    deadline = store.server_time_ms() + 60
-    wait_for(lambda: store.server_time_ms() > deadline)
-    store.liveness.lapse_dead_workers()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "worker_left.lua (a warm or cold shutdown: FencedWorkerStep.stop/terminate, which may run before the "
-        "pool has drained) deletes the worker's reservations set and its liveness record while a hand-off of "
-        "one of its processes is filed there unsent, and release.lua files a hand-off made after it under a "
-        "worker that has no record: the worker killed before the send (its grace period over, a cold "
-        "shutdown, a thread/solo/gevent pool dying with its process), no record ever lapses, lapse_worker.lua "
-        "never runs for it, and the HANDED_OFF record is never due: the task never runs again nor ends"
-    ),
-)
-@pytest.mark.parametrize("when", ["handed-off-before-the-shutdown", "handed-off-while-the-pool-drains"])
-def test_a_hand_off_unsent_when_its_worker_stops_is_taken_over_once_the_worker_is_gone(
-    store: LeaseStore, redis_client: redis.Redis, when: str
-) -> None:
-    store.liveness.worker_alive(WORKER, 50)
-    state = held(store, owner=A, call=CALL, publish_id="p1")
-    if when == "handed-off-before-the-shutdown":
-        assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, worker_id=WORKER) == "ok"
-        store.liveness.worker_left(WORKER)
-    else:
-        store.liveness.worker_left(WORKER)
-        assert store.hand_off("t1", A, state.owner_token, keep_ms=600_000, worker_id=WORKER) == "ok"
-    # The process is killed before its send: it says nothing more, nor does its worker.
-    the_worker_is_gone(store)
-    key = store.keys.lease("t1")
-    assert redis_client.zscore(store.keys.index, key) is not None, "no reaper will ever look at the record"
-    redis_client.hset(key, "leaseExpireAt", store.server_time_ms() - 1)  # its time passes
-    [result] = claim(store, "t1")
-    assert (result.code, result.cause) == ("requeued", "gone")
-
-
 @pytest.mark.parametrize(
     "state, put_back",
     [("FAILURE", False), ("FAILURE", True), ("REVOKED", False)],

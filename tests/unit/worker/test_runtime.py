@@ -88,10 +88,14 @@ def test_the_main_process_threads_start_and_stop_with_the_runtime(fenced_app: Ce
         threads = started_threads(before)
         assert set(threads) == THREADS
     finally:
-        runtime.stop(heartbeat=False)  # a prefork worker's main process: the children's heartbeats go on
-    assert [name for name, thread in threads.items() if thread.is_alive()] == ["celery-fenced-heartbeat"]
-    runtime.stop()
-    assert not threads["celery-fenced-heartbeat"].is_alive()
+        runtime.stop(heartbeat=False)  # the worker's steps stop: its pool may still run bodies
+    alive = sorted(name for name, thread in threads.items() if thread.is_alive())
+    assert alive == ["celery-fenced-heartbeat", "celery-fenced-liveness"]
+    workers = fenced_app.backend.lease_store.liveness.workers()
+    assert [worker_id for worker_id, *_ in workers] == [runtime.liveness.worker_id]  # hand-offs filed under it
+    runtime.stop()  # the worker stopped, its pool included
+    assert not any(thread.is_alive() for thread in threads.values())
+    assert fenced_app.backend.lease_store.liveness.workers() == []
 
 
 def test_stop_runtimes_stops_every_runtime_of_the_process(app: Celery) -> None:

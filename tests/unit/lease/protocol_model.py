@@ -168,6 +168,8 @@ class TaskModel:
     #: HANDED_OFF: its owner said it sent the replacement: whatever becomes of the owner, the
     #: record waits for the replacement
     sent: bool = False
+    #: its last hand-off is filed under its owner's worker, for that worker's lapse to find
+    filed: bool = False
     #: HANDED_OFF: the owner that handed off (its id and token stay in the record: once the
     #: reaper undoes a lost hand-off, the lease is that owner's again, as a claimed one is)
     handed_off_owner: Owner | None = None
@@ -538,7 +540,7 @@ class ProtocolModel:
             task.headers[replacement] = str(owner.token)
             task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
             task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
-            task.sent = False
+            task.sent, task.filed = False, True
             owner.believes_live = False
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
@@ -551,6 +553,7 @@ class ProtocolModel:
         where = f"{owner!r} hand-back answered {code} (task {task.status}, newest token {task.fence})"
         its_own = task.status == HANDED_OFF and task.handoff_token == owner.token == task.fence
         if code == "ok":
+            task.filed = False
             if not its_own:
                 return self.violated("stale-hand-back", where)
             replacement = task.publishes.pop()
@@ -560,6 +563,19 @@ class ProtocolModel:
             owner.believes_live, owner.expired = True, False
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not taken back")
+
+    def worker_lapsed(self, made_due: int) -> None:
+        """The liveness record of the owners' worker lapsed (a whole worker dead or frozen):
+        each hand-off filed under it and not said sent may never have been sent, and is due
+        now; every filing leaves the worker's set."""
+        expected = 0
+        for task in self.tasks.values():
+            if task.filed and task.status == HANDED_OFF and not task.sent:
+                task.lost_handoff, task.due = True, True
+                expected += 1
+            task.filed = False
+        if made_due != expected:
+            self.violated("model-mismatch", f"the worker's lapse made {made_due} due, expected {expected}")
 
     @staticmethod
     def undo_handoff(task: TaskModel) -> None:
@@ -577,7 +593,7 @@ class ProtocolModel:
         if code == "ok":
             if not its_own:
                 return self.violated("foreign-send-said", where)
-            task.sent = True  # even after its process was taken for lost: the reaper finds it sent
+            task.sent, task.filed = True, False  # even after its process was taken for lost
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not marked sent")
 

@@ -66,6 +66,9 @@ FORGET_KEEP_MS = 3_600_000
 
 KEYS = KeySpace.build("fenced", "celery-task-meta-")
 
+#: The one worker (one start of it) every owner's process belongs to.
+WORKER = "model-host/1/start"
+
 
 class ProtocolMachine(RuleBasedStateMachine):
     """Real scripts on one side, the model on the other: each rule runs one step on both."""
@@ -234,20 +237,28 @@ class ProtocolMachine(RuleBasedStateMachine):
     def hand_off(self, owner: Owner) -> None:
         """``Task.replace()``: the owner passes the task id to a replacement."""
         had_lease = self.lease_exists(owner.task_id)
-        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token)
+        code = self.store.hand_off(owner.task_id, owner.owner_id, owner.token, worker_id=WORKER)
         self.model.handed_off(owner, code in HANDOFF_SUCCEEDS, code.value, had_lease)
 
     @rule(owner=owners)
     def replacement_sent(self, owner: Owner) -> None:
         """``Task.replace()`` sent the replacement: the owner that handed off says so."""
-        code = self.store.replacement_sent(owner.task_id, owner.owner_id, owner.token)
+        code = self.store.replacement_sent(owner.task_id, owner.owner_id, owner.token, worker_id=WORKER)
         self.model.said_sent(owner, code.value)
 
     @rule(owner=owners)
     def hand_back(self, owner: Owner) -> None:
         """The replacement's send failed: the owner takes its hand-off back."""
-        code = self.store.hand_back(owner.task_id, owner.owner_id, owner.token, ttl_ms=TTL_MS)
+        code = self.store.hand_back(owner.task_id, owner.owner_id, owner.token, ttl_ms=TTL_MS, worker_id=WORKER)
         self.model.handed_back(owner, code.value)
+
+    @rule()
+    def worker_lapses(self) -> None:
+        """The owners' worker dies or freezes: its liveness record lapses, and a reaper pass
+        sees it (``lapse_worker.lua``)."""
+        self.client.zadd(KEYS.workers, {WORKER: self.now_ms() - 1})  # its last renewal ran out
+        made_due = self.store.liveness.lapse_dead_workers().get(WORKER, 0)
+        self.model.worker_lapsed(made_due)
 
     # -- the reaper and the operator ------------------------------------------------------
 
@@ -577,6 +588,21 @@ COUNTEREXAMPLES = [
             ("deliver", {}),
         ],
         id="a-handing-process-timed-out-before-its-send-its-message-put-back",
+    ),
+    pytest.param(
+        [("deliver", {}), ("hand_off", {"owner": OWNER + "0"}), ("worker_lapses", {}), ("claim", {})],
+        id="a-whole-worker-lost-before-its-send",
+    ),
+    pytest.param(
+        [
+            ("deliver", {}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("replacement_sent", {"owner": OWNER + "0"}),
+            ("worker_lapses", {}),
+            ("claim", {}),
+            ("deliver", {"replacement": True}),
+        ],
+        id="a-whole-worker-lost-after-its-send",
     ),
 ]
 

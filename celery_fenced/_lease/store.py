@@ -294,8 +294,13 @@ class LeaseStore:
         renewal_age_ms: int,
         stage: str = "",
         lapsed: bool = False,
+        publish_id: str = "",
+        handed_off_by: str = "",
     ) -> RestoreOutcome:
         """Put back the lease of a live owner after its hash vanished.
+
+        ``publish_id`` and ``handed_off_by`` are the run's, as its acquire had them (the
+        hand-off that started a replacement's run), written back with it.
 
         ``renewal_age_ms`` is how long ago, by the owner's clock, it sent its last accepted
         renewal: a lease that could have expired (a TTL or more) is not put back. With
@@ -310,7 +315,8 @@ class LeaseStore:
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.token, self.keys.index, self.keys.result(task_id)]
         call_json = _CALL_ENCODER.encode(call) if call else ""
         args: list[Any] = [owner_id, _require_token(token), ttl_ms, task_name, call_json, attempt, takeovers]
-        args += [max_takeovers, stage, max(0, int(renewal_age_ms)), "lapsed" if lapsed else ""]
+        args += [max_takeovers, stage, max(0, int(renewal_age_ms)), "lapsed" if lapsed else "", publish_id]
+        args.append(handed_off_by)
         return outcome(RestoreOutcome, "restore", self.scripts.restore(keys=keys, args=args)[0])
 
     def hand_off(

@@ -273,6 +273,8 @@ class OwnedLease(WeakrefSlot):
         policy: the lease options in force.
         call: the original call recorded at acquire (written again if the lease vanishes).
         publish_id: the ``apply_async`` whose message this attempt runs (``""`` when none).
+        handed_off_by: the token of the hand-off that started this run, as its message names it
+            (``""`` when none: not a replacement's run).
         checkpoint: what an earlier owner of the task id published (``None`` on a first attempt).
         started: when the attempt acquired (monotonic clock).
         expiry_window: seconds after a renewal past which the owner gives the lease up itself.
@@ -296,6 +298,7 @@ class OwnedLease(WeakrefSlot):
         "checkpoint",
         "ended",
         "expiry_window",
+        "handed_off_by",
         "interrupter",
         "lock",
         "lost_reason",
@@ -323,6 +326,7 @@ class OwnedLease(WeakrefSlot):
         *,
         call: Mapping[str, Any] | None = None,
         publish_id: str = "",
+        handed_off_by: str = "",
         checkpoint: Checkpoint | None = None,
         started: float | None = None,
         runner: Any = None,
@@ -338,6 +342,7 @@ class OwnedLease(WeakrefSlot):
         self.policy: Final = policy
         self.call: Final = call
         self.publish_id: Final = publish_id
+        self.handed_off_by: Final = handed_off_by
         self.checkpoint: Final = checkpoint
         self.started: Final = started
         # The local expiry check: renewal + TTL less the safety margin.

@@ -397,4 +397,6 @@ def write_back(store: LeaseStore, lease: OwnedLease, now: float, *, lapsed: bool
         renewal_age_ms=int((now - lease.renewed) * 1000),
         stage=lease.stage or "",
         lapsed=lapsed,
+        publish_id=lease.publish_id,
+        handed_off_by=lease.handed_off_by,
     )

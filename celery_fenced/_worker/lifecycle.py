@@ -534,6 +534,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         policy=policy,
         call=acquire_once.keywords["call"],
         publish_id=acquire_once.keywords["publish_id"],
+        handed_off_by=acquire_once.keywords["handed_off_by"],
         started=started,
         checkpoint=result.checkpoint,
         runner=body_runner(),

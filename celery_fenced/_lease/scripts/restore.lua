@@ -27,6 +27,9 @@
 -- ARGV[9]  current stage, may be ""
 -- ARGV[10] ms since the owner sent its last accepted renewal (or acquired), by its own clock
 -- ARGV[11] "lapsed": write it back given up (LAPSED, due now); "" or absent: RUNNING
+-- ARGV[12] the run's publishId, "" or absent: none
+-- ARGV[13] the run's handoffToken (the hand-off that started it: a replacement's run), "" or
+--          absent: none; written back so a copy of the message it replaced still does not run
 --
 -- Returns {code}:
 --   "restored"  the lease is back, RUNNING for this owner, due at now + ttl (or LAPSED,
@@ -77,6 +80,12 @@ redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken
   'lastProgressAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now)
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[1], 'call', ARGV[5])
+end
+if (ARGV[12] or '') ~= '' then
+  redis.call('HSET', KEYS[1], 'publishId', ARGV[12])
+end
+if (ARGV[13] or '') ~= '' then
+  redis.call('HSET', KEYS[1], 'handoffToken', ARGV[13])
 end
 if lapsed then
   expire_at = now

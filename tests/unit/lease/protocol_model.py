@@ -346,7 +346,9 @@ class ProtocolModel:
                 self.violated("restore-over-state", where)
             elif owner.expired and not lapsed:
                 self.violated("restore-of-expired-lease", f"{where} after it had expired")
-            task.status, task.fence, task.holder, task.handoff_token = RUNNING, owner.token, owner, 0
+            # Written back with its run's hand-off token (the one its message names, if any).
+            task.status, task.fence, task.holder = RUNNING, owner.token, owner
+            task.handoff_token = int(owner.handed_off_by or 0)
             task.expired = task.due = owner.expired = False
             if lapsed:
                 task.status, owner.believes_live = LAPSED, False

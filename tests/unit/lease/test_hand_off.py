@@ -428,16 +428,6 @@ def test_a_hand_off_leaves_its_workers_set_once_its_owner_is_done_with_it(
     assert redis_client.zscore(store.keys.reserved_by(WORKER), store.keys.lease("t1")) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "restore.lua writes a vanished lease back without the run's handoffToken (nor its publishId): a "
-        "replacement's run whose lease vanished before its own hand-off (lifecycle._hand_off_vanished) hands "
-        "off with no handoffPrior, so once that hand-off is undone (its worker lost before the send) the lease "
-        "keeps no hand-off token, the reaper's re-send names none, and a late copy of the first replaced "
-        "message runs the replaced body again"
-    ),
-)
 def test_a_replacement_run_restored_before_its_hand_off_keeps_the_hand_off_that_started_it(
     store: LeaseStore, redis_client: redis.Redis
 ) -> None:
@@ -447,7 +437,7 @@ def test_a_replacement_run_restored_before_its_hand_off_keeps_the_hand_off_that_
     redis_client.delete(store.keys.lease("t1"))  # evicted
     restored = store.restore(
         "t1", B, run.token, ttl_ms=3000, task_name="proj.other", call=NEW_CALL, attempt=1, takeovers=0,
-        max_takeovers=3, renewal_age_ms=0,
+        max_takeovers=3, renewal_age_ms=0, publish_id="p1", handed_off_by=str(first),
     )  # fmt: skip
     assert restored == RestoreOutcome.RESTORED
     store.liveness.worker_alive(WORKER, 50)

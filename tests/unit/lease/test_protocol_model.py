@@ -167,6 +167,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             max_takeovers=MAX_TAKEOVERS,
             renewal_age_ms=TTL_MS if owner.expired else 0,
             lapsed=lapsed,
+            publish_id=owner.publish_id,
+            handed_off_by=owner.handed_off_by,
         )
         self.model.restored(owner, code.value, lapsed)
 

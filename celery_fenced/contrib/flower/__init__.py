@@ -284,8 +284,9 @@ class AttemptHistory(list[dict[str, Any]]):
         """The attempt Celery's ``task-started`` began on ``worker``, whose token is heard now.
 
         Only the newest entry of that worker, while its number is a guess that fits (a retry's
-        next attempt on the same worker is not the attempt it retries), and while it is open or
-        was ended by a cancel its owner had not heard of yet.
+        next attempt on the same worker is not the attempt it retries), ended or not: Celery's
+        ending can come first (a renewal in flight as the body returns announces the attempt
+        after it ended).
         """
         for at in reversed(range(len(self))):
             entry = self[at]
@@ -293,9 +294,9 @@ class AttemptHistory(list[dict[str, Any]]):
                 continue
             if entry["token"] is not None or at in self._known:
                 return None
-            if not (_open(entry) or entry["outcome"] == "cancelled"):
-                return None
-            if number is None or at in self._unnumbered or entry["attempt"] == number:
+            if at in self._unnumbered or (number is not None and entry["attempt"] == number):
+                return entry
+            if number is None and (_open(entry) or entry["outcome"] == "cancelled"):
                 return entry
             return None
         return None

@@ -451,6 +451,30 @@ def test_a_cancel_and_its_owners_lease_loss_are_one_attempt_with_the_cancels_wor
     assert task.attempts[0]["ended"] == 1_700_000_000 + (2.4 if owner_first else 2)
 
 
+def test_an_attempt_announced_after_celery_said_it_ended_is_one_attempt() -> None:
+    """A first attempt is announced by its first renewal: one in flight as the body returns is
+    heard after the worker's task-succeeded; a takeover's, sent at its acquire, can be heard
+    after it too."""
+    task = state_of(
+        at(0, "task-received", name="proj.report", args="()", kwargs="{}"),
+        at(0.1, "task-started", pid=41),
+        at(0.6, "task-succeeded", result="1", runtime=0.5),
+        at(0.55, "task-progress", token=T1, stage="load-data", attempt=1),
+    )
+    assert attempts_of(task) == [(1, T1, "succeeded")] and task.state == states.SUCCESS
+    task = state_of(
+        at(0, "task-received", name="proj.report", args="()", kwargs="{}"),
+        at(0.1, "task-started", pid=41),
+        at(0.6, "task-progress", token=T1, stage="load-data", attempt=1),
+        at(2.4, "task-lease-lost", token=T1, stage="load-data", attempt=1, reason="stalled: no progress"),
+        at(2.6, "task-started", pid=52, hostname="w2@host"),
+        at(2.8, "task-succeeded", result="2", runtime=0.2, hostname="w2@host"),
+        at(2.5, "task-takeover", token=T1, stage="load-data", attempt=1, cause="stalled"),
+        at(2.7, "task-progress", token=T2, stage="", attempt=2, takeovers=1, hostname="w2@host"),
+    )
+    assert attempts_of(task) == [(1, T1, "lease-lost"), (2, T2, "succeeded")] and task.state == states.SUCCESS
+
+
 def test_a_flower_started_mid_way_lists_the_attempt_under_its_own_number() -> None:
     task = state_of(
         at(5.0, "task-started", pid=41),  # Flower heard nothing of the task before

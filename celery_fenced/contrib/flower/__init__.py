@@ -90,6 +90,8 @@ _CELERY_ENDINGS = {
 }
 _TABLE_MARK = "\u2063celery-fenced-attempts\u2063"  # stands for the table on the task page
 _SETTLED = "fenced_settled"  # on a task: the READY state an operator or the reaper stored
+_REDRIVEN = "fenced_redriven"  # on a task: the token of the last redrive heard (the abandon's)
+_LOST = "fenced_lost"  # on a task: the token whose owner said it lost the lease
 _installed = False  # global: Flower's classes are patched once per process
 
 
@@ -105,7 +107,25 @@ class AttemptHistory(list[dict[str, Any]]):
 
     Each entry has :data:`ATTEMPT_FIELDS`; ``token`` is ``None`` for an attempt that ended
     before it sent an event of its own (a short first attempt: Celery's events carry no token).
+
+    The events of one attempt come from several processes (Celery's from the worker's main
+    process, the attempt's own from its pool process, the reaper's and an operator's from
+    theirs), so they reach Flower in any order. Each is matched to its attempt by what it
+    carries: the attempt's own events by token, else by attempt number; the reaper's and an
+    operator's (a takeover, an abandon, a cancel), which carry a token of their own, by attempt
+    number; Celery's ``task-started``, which carries neither, to the newest entry of its worker
+    that has not heard one, else to a new entry numbered next (until an event of the attempt
+    says its number); Celery's endings to the oldest open attempt of their worker. So an attempt
+    keeps one entry, whatever the order.
     """
+
+    def __init__(self, entries: Any = ()) -> None:
+        super().__init__(entries)
+        self._known: set[int] = set()  # entries whose number an event said (by position)
+        self._started: set[int] = set()  # entries Celery's task-started was heard for
+        self._unnumbered: set[int] = set()  # begun before Flower heard of the task: no number guessed
+        self._heard_the_message = False  # task-sent or task-received came before any attempt
+        self._second_starts: dict[int, Any] = {}  # a task-started heard while the entry ran
 
     def __str__(self) -> str:
         return _TABLE_MARK
@@ -120,22 +140,27 @@ class AttemptHistory(list[dict[str, Any]]):
         when = event.get("timestamp")
         worker = event.get("hostname")
         token = _token_of(event.get("token"))
+        number = _token_of(event.get("attempt")) or None  # 0: no attempt acquired yet
+        if kind in ("task-sent", "task-received"):
+            self._heard_the_message = self._heard_the_message or not self
+            return
         if kind == "task-started":
-            newest = self[-1] if self else None
-            if newest is not None and _open(newest) and newest["outcome"] == "running" and newest["worker"] == worker:
-                newest["started"] = newest["started"] or when  # its own event came first
-            else:
-                self._new(worker, when)
+            self._started_on(worker, when)
             return
         if kind == "task-revoked" and event.get("cause") == CANCEL_CAUSE:
-            # The cancel's own event: it carries the cancel's token, which no attempt holds.
-            entry = self._open_attempt()
+            # The cancel's own event: it carries the cancel's token, which no attempt holds,
+            # and the number of the attempt that held the lease.
+            # Its owner may have told of the cancel first: the cancel's words are kept.
+            entry = self._numbered(number, open_only=True) or self._open_attempt()
+            told = self._numbered(number)
+            if entry is None and told is not None and told["outcome"] == "cancelled":
+                entry = told
             if entry is not None:
-                entry.update(outcome="cancelled", reason=_cancel_reason(event), ended=when)
+                entry.update(outcome="cancelled", reason=_cancel_reason(event), ended=entry["ended"] or when)
             return
         if kind in _CELERY_ENDINGS:
-            entry = self._by_token(token) if token is not None else self._current()
-            entry = entry or self._new(worker, when)
+            found = self._of_attempt(token, number, worker) if token is not None else self._ended_on(worker)
+            entry = found or self._new(worker, when)
             if entry["outcome"] in ("cancelled", "abandoned"):
                 return
             entry.update(outcome=_CELERY_ENDINGS[kind], ended=when)
@@ -146,16 +171,16 @@ class AttemptHistory(list[dict[str, Any]]):
             return
         if kind in ("task-takeover", "task-abandoned"):
             # Sent by the reaper or an operator's command, not by the attempt: about the
-            # attempt of its token, else the latest (an abandon may store its FAILURE under
-            # a token of its own); never a new attempt.
-            found = self._by_token(token) or (self[-1] if self else None)
-            if found is None:
+            # attempt of its token (a takeover's), else of its number (an abandon stores its
+            # FAILURE under a token of its own).
+            about = self._by_token(token) or self._numbered(number) or self._placeholder(number)
+            if about is None:
                 return
-            entry = found
+            entry = about
+            if number is not None and entry["attempt"] == number:
+                self._known.add(next(at for at in range(len(self)) if self[at] is entry))
         else:
-            entry = self._by_token(token) or self._adopt(token, worker) or self._new(worker, when, token)
-        if event.get("attempt"):
-            entry["attempt"] = event["attempt"]
+            entry = self._of_attempt(token, number, worker) or self._begun(worker, when, token, number)
         if event.get("stage"):
             entry["stage"] = event["stage"]
         if entry["outcome"] in _FINAL_OUTCOMES:
@@ -183,26 +208,123 @@ class AttemptHistory(list[dict[str, Any]]):
             entry.update(outcome="abandoned", reason=f"takeovers exhausted ({event.get('cause')})")
             entry["ended"] = entry["ended"] or when
 
-    def _new(self, worker: str | None, when: Any, token: int | None = None) -> dict[str, Any]:
+    def _new(
+        self, worker: str | None, when: Any, token: int | None = None, number: int | None = None
+    ) -> dict[str, Any]:
         entry = dict.fromkeys(ATTEMPT_FIELDS)
-        entry.update(attempt=len(self) + 1, token=token, worker=worker, started=when, outcome="running")
+        guessed = max((other["attempt"] or 0 for other in self), default=0) + 1
+        entry.update(attempt=number or guessed, token=token, worker=worker, started=when, outcome="running")
         self.append(entry)
+        if number is not None:
+            self._known.add(len(self) - 1)
+        return entry
+
+    def _started_on(self, worker: str | None, when: Any) -> None:
+        """Celery's ``task-started``: the start of the attempt its worker's events began, or of a new one."""
+        at = len(self) - 1
+        last = self[at] if self else None
+        if last is not None and last["worker"] in (worker, None):
+            own_first = at not in self._started and (_open(last) or at in self._known)
+            if not own_first and _open(last) and last["outcome"] == "running" and last["worker"] == worker:
+                # A second start while it runs: a duplicate delivery (it does not run), or the
+                # next attempt of a retry whose task-retried comes later (its own event says so).
+                self._second_starts[at] = when
+                return
+            if own_first:
+                last["worker"] = worker
+                begun = [time for time in (last["started"], when) if time is not None]
+                last["started"] = min(begun) if begun else None
+                self._started.add(at)
+                return
+        unnumbered = not self and not self._heard_the_message
+        self._new(worker, when)
+        self._started.add(len(self) - 1)
+        if unnumbered:  # Flower heard of the task mid-way: its first event says the number
+            self._unnumbered.add(len(self) - 1)
+
+    def _begun(self, worker: str | None, when: Any, token: int, number: int | None) -> dict[str, Any]:
+        """A new entry for an attempt first heard of by an event of its own.
+
+        Where its worker's newest attempt heard a second ``task-started``, that was this one's.
+        """
+        at = next((at for at in reversed(range(len(self))) if self[at]["worker"] == worker), None)
+        second = self._second_starts.pop(at, None) if at is not None else None
+        entry = self._new(worker, second if second is not None else when, token, number)
+        if second is not None:
+            self._started.add(len(self) - 1)
+        return entry
+
+    def _of_attempt(self, token: int, number: int | None, worker: str | None) -> dict[str, Any] | None:
+        """The entry of the attempt an event of its own is about: by token, else by number."""
+        entry = self._by_token(token)
+        if entry is None and number is not None:
+            entry = next(
+                (
+                    self[at]
+                    for at in reversed(range(len(self)))
+                    if at in self._known and self[at]["attempt"] == number and self[at]["token"] is None
+                ),
+                None,
+            )
+        entry = entry or self._adopt(number, worker)
+        if entry is None:
+            return None
+        at = next(at for at in range(len(self)) if self[at] is entry)
+        entry["token"] = token if entry["token"] is None else entry["token"]
+        entry["worker"] = entry["worker"] or worker
+        if number is not None:
+            entry["attempt"] = number
+            self._known.add(at)
         return entry
 
     def _by_token(self, token: int | None) -> dict[str, Any] | None:
         return next((entry for entry in self if token is not None and entry["token"] == token), None)
 
-    def _adopt(self, token: int, worker: str | None) -> dict[str, Any] | None:
-        """The attempt Celery's ``task-started`` began, whose token is heard now."""
-        for entry in reversed(self):
-            if entry["token"] is None and _open(entry) and entry["worker"] == worker:
-                entry["token"] = token
+    def _adopt(self, number: int | None, worker: str | None) -> dict[str, Any] | None:
+        """The attempt Celery's ``task-started`` began on ``worker``, whose token is heard now.
+
+        Only the newest entry of that worker, while its number is a guess that fits (a retry's
+        next attempt on the same worker is not the attempt it retries), ended or not: Celery's
+        ending can come first (a renewal in flight as the body returns announces the attempt
+        after it ended).
+        """
+        for at in reversed(range(len(self))):
+            entry = self[at]
+            if entry["worker"] != worker:
+                continue
+            if entry["token"] is not None or at in self._known:
+                return None
+            if at in self._unnumbered or (number is not None and entry["attempt"] == number):
                 return entry
+            if number is None and (_open(entry) or entry["outcome"] == "cancelled"):
+                return entry
+            return None
         return None
+
+    def _numbered(self, number: int | None, open_only: bool = False) -> dict[str, Any] | None:
+        """The newest entry of attempt ``number`` (open, with ``open_only``)."""
+        if number is None:
+            return None
+        return next(
+            (entry for entry in reversed(self) if entry["attempt"] == number and (_open(entry) or not open_only)),
+            None,
+        )
+
+    def _placeholder(self, number: int | None) -> dict[str, Any] | None:
+        """An attempt the reaper speaks of before Flower heard of it (or never will)."""
+        if number is None or any((entry["attempt"] or 0) >= number for entry in self):
+            return None
+        return self._new(None, None, None, number)
 
     def _open_attempt(self) -> dict[str, Any] | None:
         """The newest attempt that has not ended (the one an operator's action ends)."""
         return next((entry for entry in reversed(self) if _open(entry)), None)
+
+    def _ended_on(self, worker: str | None) -> dict[str, Any] | None:
+        """The attempt a tokenless Celery ending from ``worker`` is about: its oldest open one,
+        else the newest token's (a zombie sends none)."""
+        found = next((entry for entry in self if _open(entry) and entry["worker"] == worker), None)
+        return found or self._current()
 
     def _current(self) -> dict[str, Any] | None:
         """The attempt Celery's own events are about: the newest token's (a zombie sends none)."""
@@ -250,19 +372,31 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
     token = _token_of(event.get("token"))
     task = state.tasks.get(uuid) if uuid else None
     cause = event.get("cause")
+    newest = _token_of(getattr(task, "token", None)) if task is not None else None
+    # An event of an older token than the newest seen: a stale owner's, or the reaper's or an
+    # operator's news of a step the backend has moved past. Counted by Flower, never applied.
+    stale = token is not None and newest is not None and token < newest
     if kind == "task-takeover" and cause == REDRIVE_CAUSE:
-        return _moved_by_the_backend(original, state, event, "TAKEOVER", settled=False)
+        if stale:
+            return None  # the redrive's new attempt (or a cancel) came first
+        result = _moved_by_the_backend(original, state, event, "TAKEOVER", settled=False)
+        setattr(state.tasks[uuid], _REDRIVEN, token)
+        return result
     if task is not None and kind.startswith("task-") and getattr(task, _SETTLED, None):
         return None  # cancelled or abandoned: the backend moves it on only by a redrive
     if kind == "task-revoked" and cause == CANCEL_CAUSE:
-        return _moved_by_the_backend(original, state, event, states.REVOKED, settled=True)
+        return None if stale else _moved_by_the_backend(original, state, event, states.REVOKED, settled=True)
     if kind == "task-abandoned":
+        redriven = _token_of(getattr(task, _REDRIVEN, None))
+        if stale or (token is not None and redriven is not None and token <= redriven):
+            return None  # abandoned before a redrive Flower already heard of
         return _moved_by_the_backend(original, state, event, states.FAILURE, settled=True)
     if kind.startswith("task-") and token is not None and task is not None:
-        newest = _token_of(getattr(task, "token", None))
-        if newest is not None and token < newest:
+        if stale:
             return None  # a stale owner's event: counted by Flower, never applied
         if kind == "task-progress":
+            if token == _token_of(getattr(task, _LOST, None)):
+                return None  # sent before its owner lost the lease, and heard after
             for name in _PROGRESS_FIELDS:
                 if event.get(name) not in (None, ""):  # an empty stage means "not yet known"
                     setattr(task, name, event[name])
@@ -276,6 +410,7 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
             if task.state in (states.STARTED, "STALLED"):
                 task.state = "STALLED"  # it waits to be taken over
             task.reason = event.get("reason")
+            setattr(task, _LOST, token)
             return None
         if kind == "task-takeover":
             # Sent by the reaper's process: the task's worker stays the one that ran it.

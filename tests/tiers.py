@@ -31,10 +31,19 @@ EVERY_COMBINATION: dict[str, str] = {
     "tests/integration/test_tls.py": "redis-py's TLS connections",
 }
 
+#: Test modules inside a folder of :data:`EVERY_COMBINATION` that run once all the same (on the
+#: newest combination), each with why the installed line cannot change its outcome.
+ONLY_ON_THE_NEWEST: dict[str, str] = {}
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _within(relative: str, entries: dict[str, str]) -> bool:
+    return any(relative == entry or relative.startswith(entry + "/") for entry in entries)
+
+
 def runs_on_every_combination(path: Path) -> bool:
-    """Whether the test module at ``path`` is in :data:`EVERY_COMBINATION`."""
+    """Whether the test module at ``path`` is in :data:`EVERY_COMBINATION` (and not in
+    :data:`ONLY_ON_THE_NEWEST`)."""
     relative = path.resolve().relative_to(ROOT).as_posix()
-    return any(relative == entry or relative.startswith(entry + "/") for entry in EVERY_COMBINATION)
+    return _within(relative, EVERY_COMBINATION) and not _within(relative, ONLY_ON_THE_NEWEST)

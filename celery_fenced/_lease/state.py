@@ -123,6 +123,7 @@ class StoreOutcome(StrEnum):
     LAPSED = "lapsed"
     FOREIGN = "foreign"
     STICKY = "sticky"
+    MISSING = "missing"
 
 
 class ClaimOutcome(StrEnum):

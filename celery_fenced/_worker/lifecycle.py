@@ -33,7 +33,7 @@ from .. import signals as fenced_signals
 from .._backend.fence import WriterFence, fence_of, put_fence
 from .._celery.compat import get_actual_ignore_result
 from .._celery.headers import HANDED_OFF_BY_HEADER, PUBLISH_ID_HEADER
-from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome, RestoreOutcome
+from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome
 from .._lease.store import lease_store_of
 from .._task.calls import name_callbacks, recorded_call, retry_call
 from .._task.owner import OwnedLease
@@ -42,7 +42,7 @@ from .._telemetry import events, tracing
 from ..conf import TaskPolicy, ensure_conf, forget_window
 from ..exceptions import LeaseInterrupted, LeaseLostError, StaleOwnerError
 from .attempt import Attempt, attempt_of, report_the_end, skip
-from .heartbeat import Heartbeat, write_back
+from .heartbeat import Heartbeat, take_back
 from .interrupt import body_runner, end_of_body
 from .process import WORKER_PROCESS
 from .request import cancelled_here
@@ -189,6 +189,14 @@ def still_owner(task: Any, lease: OwnedLease) -> bool:
         current = None
     if current is not None and current[1] == lease.token and current[0] in ("RUNNING", "STALLED"):
         return True
+    if lease.lost_reason is None and (current is None or current[1] < lease.token):
+        # Its lease is gone (or an older token's stands in its place): the store lost data.
+        # The owner goes on only once it has its lease back (a thawed owner never does).
+        try:
+            if take_back(task.backend.lease_store, lease, "chain and callbacks"):
+                return True
+        except RedisError as exc:
+            logger.warning("could not restore the lease of task %s: %r", lease.task_id, exc)
     lease.mark_lost("not the owner after the body returned")
     logger.warning(
         "lease lost: task %s[%s] token=%s: callbacks and chain not sent, result not stored (%s)",
@@ -276,30 +284,12 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
 def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], ReleaseOutcome]) -> ReleaseOutcome:
     """The lease vanished before the hand-off (an eviction, a FLUSH, a failover that lost
     writes): a missing lease is never a hand-off, as a newer owner's record may have vanished
-    with it. Written back as the heartbeat writes a vanished lease back (``restore.lua``): while
-    the owner's last renewal is less than a TTL ago, nobody else can hold the task, and the
-    owner hands off again; else it is written back given up, for the reaper to re-send the
-    task, and nothing is sent (``MISSING``)."""
-    code = write_back(store, lease, time.monotonic())
-    if code == RestoreOutcome.RESTORED:
-        logger.warning(
-            "lease restored: task %s[%s] token=%s: its hash had vanished from Redis before its hand-off",
-            lease.task_name,
-            lease.task_id,
-            lease.token,
-        )
+    with it. Written back as the heartbeat writes a vanished lease back (:func:`take_back`):
+    while the owner's last renewal is less than a TTL ago, nobody else can hold the task, and
+    the owner hands off again; else it is given up for the reaper to re-send the task, and
+    nothing is sent (``MISSING``)."""
+    if take_back(store, lease, "hand-off"):
         return hand()
-    if (
-        code == RestoreOutcome.EXPIRED
-        and write_back(store, lease, time.monotonic(), lapsed=True) == RestoreOutcome.RESTORED
-    ):
-        logger.warning(
-            "task %s[%s] token=%s: its lease vanished from Redis before its hand-off, and could have expired: "
-            "given up for a takeover, no replacement sent",
-            lease.task_name,
-            lease.task_id,
-            lease.token,
-        )
     return ReleaseOutcome.MISSING
 
 

@@ -23,7 +23,7 @@ from celery_fenced._lease.state import (
     RestoreOutcome,
 )
 from celery_fenced._lease.store import LeaseStore
-from tests.unit.lease.helpers import acquire, claim, held, wait_for
+from tests.unit.lease.helpers import acquire, claim, held, server_ms, wait_for
 
 A, B, C = "host/1/a", "host/2/b", "host/3/c"
 CALL = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "celery"}}
@@ -182,6 +182,11 @@ def test_a_frozen_owners_vanished_lease_is_not_restored(store: LeaseStore, redis
     assert restore(60_000, lapsed=True) == RestoreOutcome.RESTORED  # given up: for the reaper to re-send
     back = store.read("t1")
     assert back is not None and back.status == LeaseStatus.LAPSED
+    # Due a TTL later: a newer owner whose lease vanished with it writes its own back first.
+    assert back.lease_expire_at is not None and back.lease_expire_at >= server_ms(redis_client) + 2000
+    (claimed,) = claim(store, "t1")
+    assert claimed.code == "not-due"
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)  # the TTL passed
     (claimed,) = claim(store, "t1")
     assert claimed.code == "requeued"
 

@@ -944,3 +944,22 @@ def collected(self: Any, values: list[Any]) -> list[Any]:
     """A chord body that records each run of its body."""
     note_run(self, values=values)
     return values
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def owner_until_told(self: Any) -> str:
+    """Each attempt holds in a stage with a long deadline, progressing, until the test sets
+    ``finish:<id>:<attempt>``; it returns the value of its owner's token."""
+    note_run(self)
+    self.progress("slow-stage")
+    key = f"finish:{self.request.id}:{attempt_number(self)}"
+    while not record().exists(key):
+        time.sleep(0.05)
+    return f"owner {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def received(self: Any, value: Any) -> Any:
+    """A chain's next step: records each run with the value it received."""
+    note_run(self, value=value)
+    return value

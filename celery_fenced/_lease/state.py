@@ -326,6 +326,7 @@ class LeaseState:
     cancelled_at: int | None
     handoff_token: int
     handed_off_at: int | None
+    handoff_call: Mapping[str, Any] | None
     forgotten_at: int | None
     trace_context: str
 

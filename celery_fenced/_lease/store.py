@@ -342,21 +342,33 @@ class LeaseStore:
         return outcome(ReleaseOutcome, "release", self.retry(self.scripts.release, keys, args)[0])
 
     def replacement_sent(
-        self, task_id: str, owner_id: str, token: int, *, worker_id: str | None = None
+        self,
+        task_id: str,
+        owner_id: str,
+        token: int,
+        *,
+        worker_id: str | None = None,
+        replacement: str = "",
+        due_in_ms: int = 0,
     ) -> ReleaseOutcome:
         """Say that the owner which handed off with ``token`` sent its replacement
         (``replacement_sent.lua``; run again under ``retry``): its record waits for the
         replacement whatever becomes of the owner, and leaves ``worker_id``'s reservations.
 
+        ``replacement`` (JSON of the replacement's signature as sent, ``""`` when it could not
+        be recorded): kept with the record, which is due in ``due_in_ms`` (the requeue
+        timeout); a replacement not started by then is sent again by the reaper.
+
         Returns ``"ok"``, or why no hand-off of this owner waits (``"finished"``: the
         replacement started, or the reaper undid the hand-off; ``"stale-token"``,
         ``"not-owner"``, ``"missing"``).
         """
-        keys = [self.keys.lease(_require_task_id(task_id))]
-        args: list[Any] = [owner_id, _require_token(token)]
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        args: list[Any] = [owner_id, _require_token(token), worker_id or ""]
         if worker_id:
             keys.append(self.keys.reserved_by(worker_id))
-            args.append(worker_id)
+        if replacement:
+            args += [replacement, max(0, int(due_in_ms))]
         return outcome(ReleaseOutcome, "replacement_sent", self.retry(self.scripts.replacement_sent, keys, args)[0])
 
     def hand_back(

@@ -303,7 +303,7 @@ class ProgressLeasedTask(Task):
         try:
             return super().on_replace(sig)
         except Ignore:  # sent: Celery ends the body with Ignore
-            worker_lifecycle().replacement_sent(self, lease)
+            worker_lifecycle().replacement_sent(self, lease, sig)
             raise
         except BaseException as exc:
             # Not sent (or not known to be): the error is the task's, stored by its owner. A

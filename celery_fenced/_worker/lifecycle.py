@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -293,8 +294,13 @@ def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], Release
     return ReleaseOutcome.MISSING
 
 
-def replacement_sent(task: Any, lease: OwnedLease) -> None:
-    """``Task.replace()`` sent the replacement: the hand-off's record waits for it, no longer due.
+def replacement_sent(task: Any, lease: OwnedLease, replacement: Any = None) -> None:
+    """``Task.replace()`` sent the replacement: the hand-off's record waits for it.
+
+    ``replacement`` (its signature, as sent) is kept with the record: should it not start
+    within the requeue timeout (the broker lost its message), the reaper sends it again, the
+    same message under the same ids (:func:`~celery_fenced._task.calls.mark_replacement` named
+    each of its publishes after this run), so a copy of one that was only late does not run.
 
     Never raises: the replacement is on its way whatever Redis answers. Unsaid (Redis could
     not be reached), the record stays filed under the worker: should the whole worker be lost
@@ -302,8 +308,17 @@ def replacement_sent(task: Any, lease: OwnedLease) -> None:
     is a copy that does not run.
     """
     try:
+        recorded = json.dumps(replacement) if replacement is not None else ""
+    except (TypeError, ValueError):
+        recorded = ""  # not JSON (a pickled argument): a replacement the broker lost waits
+    try:
         code = task.backend.lease_store.replacement_sent(
-            lease.task_id, lease.owner_id, lease.token, worker_id=WORKER_PROCESS.worker_id
+            lease.task_id,
+            lease.owner_id,
+            lease.token,
+            worker_id=WORKER_PROCESS.worker_id,
+            replacement=recorded,
+            due_in_ms=int(ensure_conf(task.app).requeue_timeout * 1000),
         )
     except Exception as exc:
         logger.warning(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+import redis
 from celery import chain
 
 from tests.integration.conftest import Cluster, lease, stored
@@ -62,3 +63,22 @@ def test_after_a_flush_a_thawed_owner_stores_and_sends_nothing_and_the_current_o
     assert [run["value"] for run in cluster.runs(flow.id)] == [value]  # the next step: once, B's value
     assert len(cluster.runs(task_id)) == 2
     assert "lease restored" in w2.log()
+
+
+def test_a_replacement_said_sent_whose_message_the_broker_lost_is_sent_again(cluster: Cluster) -> None:
+    """The owner hands off and says it sent its replacement; the broker then loses the message
+    (a broker Redis restarted without data). After the requeue timeout the reaper sends the
+    recorded replacement again: the task finishes, and the replaced body ran once."""
+    if not cluster.broker_url.startswith("redis"):
+        pytest.skip("the broker's lost message is a deleted Redis list")
+    app = cluster.app()
+    first = cluster.worker("w1", concurrency=2)
+    result = app.replaced_by.delay("queued")  # its replacement waits in a queue nobody consumes yet
+    wait_until(lambda: lease(cluster, result.id).get("handoffSent") == "1", 20, "the sent hand-off")
+    with redis.Redis.from_url(cluster.broker_url) as broker:
+        assert broker.delete("later") == 1  # the broker lost the replacement's message
+    wait_until(lambda: "said sent" in first.log(), 20, "the replacement sent again")
+    assert lease(cluster, result.id)["status"] == "HANDED_OFF"
+    cluster.worker("w2", concurrency=1, queues="later")
+    assert result.get(timeout=30) == 5
+    assert len(cluster.runs(result.id)) == 1  # the replaced body ran once

@@ -453,3 +453,40 @@ def test_a_replacement_run_restored_before_its_hand_off_keeps_the_hand_off_that_
     copy = acquire(store, owner=C, call=CALL, publish_id="p1")  # a late copy of the first, replaced message
     assert copy.outcome == AcquireOutcome.HANDED_OFF
     assert claimed.state.raw.get("handoffToken") == str(first)
+
+
+# -- a replacement said sent that never starts (the broker lost its message) ----------------------
+
+REPLACEMENT = {"task": "proj.other", "args": [2], "kwargs": {}, "options": {"task_id": "t1", "queue": "later"}}
+
+
+def test_a_replacement_said_sent_and_not_started_is_sent_again_after_the_requeue_timeout(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    token = handed_off(store)
+    sent = store.replacement_sent("t1", A, token, replacement=json.dumps(REPLACEMENT), due_in_ms=5000)
+    assert sent == "ok"
+    record = store.read("t1")
+    assert record is not None and record.handoff_call == REPLACEMENT
+    assert (record.lease_expire_at or 0) >= server_ms(redis_client) + 4000
+    (claimed,) = claim(store, "t1", requeue=5000)
+    assert claimed.code == "not-due"  # within the requeue timeout: its message is on its way
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)  # the timeout passed
+    (claimed,) = claim(store, "t1", requeue=5000)
+    assert (claimed.code, claimed.cause) == ("requeued", "handoff")  # the reaper sends it again
+    assert claimed.state is not None and claimed.state.handoff_call == REPLACEMENT
+    again = store.read("t1")
+    assert again is not None and again.status == LeaseStatus.HANDED_OFF  # never undone: no second run
+    assert again.resends == 1 and redis_client.zscore(store.keys.index, store.keys.lease("t1")) is not None
+    # Sent again at most max(maxTakeovers, 1) times; then only looked at after each timeout.
+    for _ in range(2):
+        redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+        assert claim(store, "t1", requeue=5000)[0].code == "requeued"
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+    assert claim(store, "t1", requeue=5000)[0].code == "waiting"
+    assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) is not None  # nothing waits for ever
+    # The replacement's message (a copy or the original) starts the task id, once.
+    started = acquire(store, owner=C, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert started.outcome == AcquireOutcome.NEW
+    copy = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert copy.outcome == AcquireOutcome.DUPLICATE

@@ -149,10 +149,10 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
         resend_replacement(app, state)
         report.requeued.append(result.task_id)
         logger.warning(
-            "hand-off: task %s[%s]: its replacement, said sent %s, has not started: sent again",
+            "hand-off: task %s[%s] token=%s: its replacement has not started: sent again",
             state.task_name,
             state.task_id,
-            "by token " + str(state.handoff_token),
+            state.handoff_token,
         )
     elif result.code == ClaimOutcome.REQUEUED and state is not None:
         resend(app, state, cause=result.cause)

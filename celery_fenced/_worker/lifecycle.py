@@ -252,7 +252,7 @@ def _lost_on_end(lease: OwnedLease, code: str, what: str) -> NoReturn:
     raise LeaseLostError(lease.task_id, lease.token, reason)
 
 
-def hand_off(task: Any, lease: OwnedLease) -> None:
+def hand_off(task: Any, lease: OwnedLease, replacement: Any = None) -> None:
     """Pass the task id to the replacement ``Task.replace()`` is about to send.
 
     Fenced like a write: only the current owner hands off. The lease becomes a HANDED_OFF
@@ -260,6 +260,12 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
     :func:`~celery_fenced._task.calls.mark_replacement`) can start; a later copy of the replaced
     message does not run. An owner that lost its lease, or whose lease is gone, sends no
     replacement: it gets :class:`LeaseLostError` (the body ends as ``Ignore``).
+
+    ``replacement`` (its signature, every id frozen and every publish named after this run:
+    :func:`~celery_fenced._task.calls.mark_replacement`) is kept with the record: should the
+    owner be lost before it says it sent it, or should it not start within the requeue timeout
+    once said sent (the broker lost it), the reaper sends it again, the same message, instead
+    of running this body again (a canvas step with an id of its own would run twice).
     """
     if not _stop_serving(task, lease):
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
@@ -271,8 +277,18 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
         keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
     # Filed under this start of the worker until the owner says it sent the replacement: a
     # whole worker lost in between (its liveness record lapses) is taken over.
+    try:
+        recorded = json.dumps(replacement) if replacement is not None else ""
+    except (TypeError, ValueError):
+        recorded = ""  # not JSON (a pickled argument): an owner lost before it says it sent is taken over
     hand = partial(
-        store.hand_off, lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, worker_id=WORKER_PROCESS.worker_id
+        store.hand_off,
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        keep_ms=keep_ms,
+        worker_id=WORKER_PROCESS.worker_id,
+        replacement=recorded,
     )
     code = hand()
     if code == ReleaseOutcome.MISSING:
@@ -294,13 +310,13 @@ def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], Release
     return ReleaseOutcome.MISSING
 
 
-def replacement_sent(task: Any, lease: OwnedLease, replacement: Any = None) -> None:
+def replacement_sent(task: Any, lease: OwnedLease) -> None:
     """``Task.replace()`` sent the replacement: the hand-off's record waits for it.
 
-    ``replacement`` (its signature, as sent) is kept with the record: should it not start
-    within the requeue timeout (the broker lost its message), the reaper sends it again, the
-    same message under the same ids (:func:`~celery_fenced._task.calls.mark_replacement` named
-    each of its publishes after this run), so a copy of one that was only late does not run.
+    A record that keeps its replacement (:func:`hand_off`) is due after the requeue timeout:
+    should the replacement not start by then (the broker lost its message), the reaper sends
+    it again, the same message under the same ids, so a copy of one that was only late does
+    not run.
 
     Never raises: the replacement is on its way whatever Redis answers. Unsaid (Redis could
     not be reached), the record stays filed under the worker: should the whole worker be lost
@@ -308,16 +324,11 @@ def replacement_sent(task: Any, lease: OwnedLease, replacement: Any = None) -> N
     is a copy that does not run.
     """
     try:
-        recorded = json.dumps(replacement) if replacement is not None else ""
-    except (TypeError, ValueError):
-        recorded = ""  # not JSON (a pickled argument): a replacement the broker lost waits
-    try:
         code = task.backend.lease_store.replacement_sent(
             lease.task_id,
             lease.owner_id,
             lease.token,
             worker_id=WORKER_PROCESS.worker_id,
-            replacement=recorded,
             due_in_ms=int(ensure_conf(task.app).requeue_timeout * 1000),
         )
     except Exception as exc:

@@ -77,7 +77,7 @@ def test_a_replacement_said_sent_whose_message_the_broker_lost_is_sent_again(clu
     wait_until(lambda: lease(cluster, result.id).get("handoffSent") == "1", 20, "the sent hand-off")
     with redis.Redis.from_url(cluster.broker_url) as broker:
         assert broker.delete("later") == 1  # the broker lost the replacement's message
-    wait_until(lambda: "said sent" in first.log(), 20, "the replacement sent again")
+    wait_until(lambda: "has not started: sent again" in first.log(), 20, "the replacement sent again")
     assert lease(cluster, result.id)["status"] == "HANDED_OFF"
     cluster.worker("w2", concurrency=1, queues="later")
     assert result.get(timeout=30) == 5

@@ -56,13 +56,16 @@ if first[2] == ARGV[3] then
     return {'requeued', redis.call('HGET', KEYS[1], 'claimCause') or '', redis.call('HGETALL', KEYS[1])}
   end
 end
-if status == 'HANDED_OFF' and redis.call('HGET', KEYS[1], 'handoffSent') == '1'
-    and redis.call('HEXISTS', KEYS[1], 'handoffCall') == 1 then
-  -- Said sent, with the replacement recorded (replacement_sent.lua), and not started since:
-  -- its message was lost (a broker that lost data) or waits behind others. Once due, it is
-  -- sent again, the same message under the same ids (a copy of a late one does not run
-  -- twice), as a re-sent task is: at most max(maxTakeovers, 1) times, then looked at again
-  -- after each requeue timeout. The record stays: only the replacement starts the task id.
+local recorded = status == 'HANDED_OFF' and redis.call('HMGET', KEYS[1], 'handoffCall', 'handoffSent', 'lapseReason')
+if recorded and recorded[1] and (recorded[2] == '1' or recorded[3] == 'worker-lost') then
+  -- The replacement is recorded (release.lua), and its owner said it sent it (due a requeue
+  -- timeout later: replacement_sent.lua) or was lost before it said so (due once its process
+  -- or its whole worker was lost: store.lua, lapse_worker.lua), and it has not started since:
+  -- its message was lost (a broker that lost data), waits behind others, or was never sent.
+  -- Once due, it is sent again, the same message under the same ids (a copy of one sent
+  -- after all does not run twice), as a re-sent task is: at most max(maxTakeovers, 1)
+  -- times, then looked at again after each requeue timeout. The hand-off is never undone
+  -- here: the replaced body does not run again, and only the replacement starts the task id.
   local r = redis.call('HMGET', KEYS[1], 'leaseExpireAt', 'resends', 'maxTakeovers')
   if tonumber(r[1] or '0') > now then
     redis.call('ZADD', KEYS[3], r[1], KEYS[1])

@@ -8,10 +8,8 @@
 -- ARGV[1]  ownerId
 -- ARGV[2]  ownerToken: the token that handed off (the record's handoffToken)
 -- ARGV[3]  with KEYS[3]: the worker's id (the record's handoffWorker); else ""
--- ARGV[4]  the replacement's message as sent (JSON of its signature, every id in it frozen),
---          "" or absent: it could not be recorded
--- ARGV[5]  with ARGV[4]: ms until the reaper looks whether the replacement started (the
---          requeue timeout)
+-- ARGV[4]  ms until the reaper looks whether the replacement started (the requeue timeout),
+--          for a record that keeps its replacement (handoffCall, release.lua); absent: never
 --
 -- Until this is said, an owner lost (its process: store.lua; its whole worker:
 -- lapse_worker.lua) makes the record due, and the reaper undoes the hand-off and takes the task
@@ -22,7 +20,7 @@
 -- set (its owner is done with it), unless the record is a newer hand-off of the same worker,
 -- not said sent (a replacement's run on this worker that handed off in turn).
 --
--- With the replacement recorded (handoffCall), the record is due ARGV[5] ms from now: a
+-- With the replacement recorded (handoffCall), the record is due ARGV[4] ms from now: a
 -- replacement that has not started by then (the broker lost its message: a broker Redis
 -- restarted without data) is sent again by the reaper (claim.lua), the same message under the
 -- same ids, so a copy of one that was only late is a copy: it does not run twice.
@@ -42,9 +40,9 @@ if not mine then
   return {'finished'}
 end
 redis.call('HSET', KEYS[1], 'handoffSent', 1)
-if (ARGV[4] or '') ~= '' and r[4] ~= '1' then
-  local due = int_arg(now_ms() + tonumber(ARGV[5]))
-  redis.call('HSET', KEYS[1], 'handoffCall', ARGV[4], 'leaseExpireAt', due)
+if ARGV[4] and r[4] ~= '1' and redis.call('HEXISTS', KEYS[1], 'handoffCall') == 1 then
+  local due = int_arg(now_ms() + tonumber(ARGV[4]))
+  redis.call('HSET', KEYS[1], 'leaseExpireAt', due)
   redis.call('ZADD', KEYS[2], due, KEYS[1])
 end
 return {'ok'}

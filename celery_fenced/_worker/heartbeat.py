@@ -269,7 +269,7 @@ class Heartbeat:
             activity = lease.take_activity()
             if activity is not None:
                 updates, stages, sample_gaps, _ = activity
-                TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps)
+                TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps, task=lease.task_name)
             renew, stalled = self._check_progress(lease, now)
             if renew:
                 batch.append((lease, stalled))

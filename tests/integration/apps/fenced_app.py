@@ -441,6 +441,19 @@ def batches(self: Any, total: int, stall_after: int = 0, pause: float = 0.0) -> 
     return f"{total} batches by {self.fencing_token}"
 
 
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False, stage_timeouts={"call-api": 120})
+def long_call(self: Any) -> str:
+    """Its own deadline (120 s, not the app's): the first attempt reports ``call-api``, then
+    waits for ``wake:<task id>`` without progress, well within that deadline, and returns."""
+    note_run(self)
+    self.progress("call-api")
+    if attempt_number(self) == 1:
+        record().rpush(f"waiting:{self.request.id}", os.getpid())
+        wait_for_key(f"wake:{self.request.id}", 60)
+        return "the first owner"
+    return f"owner {self.fencing_token}"
+
+
 #: ``reported_then_busy``'s heartbeat interval: long enough that no renewal comes between its
 #: reports and a test's kill, unless the worker's stop sends one.
 SLOW_HEARTBEAT = 8

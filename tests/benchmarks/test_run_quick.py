@@ -16,10 +16,10 @@ from tests.support.processes import run_project_python
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.timeout(900)  # callgrind and a worker per benchmark: minutes, not seconds
+@pytest.mark.timeout(1500)  # callgrind, takeovers and a worker per benchmark: minutes, not seconds
 def test_every_benchmark_runs_and_prints_its_figures() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    output = run_project_python(["benchmarks/run.py", "--quick"], env, timeout=600)
+    output = run_project_python(["benchmarks/run.py", "--quick"], env, timeout=1200)
     for figure in (
         "ratio progress('load-data') / HSET",
         "timer lock: PEXPIRE each",

@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from tests.support.redis_server import RedisServer, available_binaries, default_binary
+from tests.tiers import runs_on_every_combination
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +36,10 @@ def redis_client(any_redis_server: RedisServer) -> Iterator[redis.Redis]:
     yield client
     client.flushall()
     client.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that run on every supported combination (tests/tiers.py)."""
+    for item in items:
+        if runs_on_every_combination(item.path):
+            item.add_marker(pytest.mark.every_combination)

@@ -5,7 +5,9 @@
 The suite comes from the sdist of the installed Celery (``pip download``, cached). The runner
 puts ``overlay_conftest.py`` at the sdist's root as ``conftest.py``, starts a private
 ``redis-server`` for broker and backend, and runs the suite with a short per-test timeout
-(a test that hangs costs one timeout: no reruns). ``--mode`` is ``plain`` (Celery as it is,
+(a test that hangs costs one timeout: no reruns). ``--shards N`` splits the tests by class
+into N runs side by side, each with its own ``redis-server`` and worker (the suite waits on
+its worker far more than it computes). ``--mode`` is ``plain`` (Celery as it is,
 the baseline), ``backend`` (``FencedRedisBackend`` under the ``redis://`` URL) or ``fenced``
 (that backend, and every task a ``ProgressLeasedTask``). ``--pool`` is the suite worker's pool:
 ``prefork`` as Celery's suite has it, or ``gevent``: the runner then makes the suite's
@@ -112,62 +114,119 @@ def outcomes(junit: Path) -> tuple[set[str], set[str], int]:
     return failed, passed - failed, skipped
 
 
+def env_of(args: argparse.Namespace, redis: RedisServer | None) -> dict[str, str]:
+    """The environment of a run of the suite on ``redis`` (none: for collecting only)."""
+    env = dict(
+        os.environ,
+        FENCED_CELERY_SUITE=args.mode,
+        FENCED_CELERY_SUITE_POOL=args.pool,
+        FENCED_CELERY_SUITE_TIMEOUT=str(args.timeout),
+    )
+    if redis is not None:
+        env.update(
+            TEST_BROKER=redis.url(0),
+            TEST_BACKEND=redis.url(1),
+            REDIS_HOST="127.0.0.1",
+            REDIS_PORT=str(redis.port),
+        )
+    return env
+
+
+def pytest_argv(args: argparse.Namespace) -> list[str]:
+    pytest = ["-m", "gevent.monkey", "--module", "pytest"] if args.pool == "gevent" else ["-m", "pytest"]
+    argv = [sys.executable, *pytest, "-p", "celery.contrib.pytest", "-p", "no:cacheprovider"]
+    if find_spec("pytest_rerunfailures") is not None:
+        argv += ["-p", "no:rerunfailures"]
+    return argv
+
+
+def collect(root: Path, env: dict[str, str], tests: list[str]) -> list[str]:
+    """The node ids of ``tests``, as the suite collects them."""
+    argv = [sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest", "-p", "no:cacheprovider", "--co", "-q"]
+    done = subprocess.run([*argv, *tests], cwd=root, env=env, capture_output=True, text=True, check=False)
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode != 0 or not ids:
+        raise SystemExit(f"collecting {' '.join(tests)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return ids
+
+
+def split_by_class(ids: list[str], shards: int) -> list[list[str]]:
+    """``ids`` in ``shards`` groups of about equal size, a test class (or module) never split:
+    the largest classes first, each to the group that has the fewest tests so far."""
+    classes: dict[str, list[str]] = {}
+    for test_id in ids:
+        classes.setdefault(test_id.rsplit("::", 1)[0], []).append(test_id)
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    for members in sorted(classes.values(), key=len, reverse=True):
+        min(groups, key=len).extend(members)
+    return [group for group in groups if group]
+
+
+def start_pytest(
+    root: Path, env: dict[str, str], args: argparse.Namespace, tests: list[str], report: Path
+) -> subprocess.Popen[bytes]:
+    """Start one run of ``tests``, its JUnit report written to ``report``."""
+    argv = [*pytest_argv(args), f"--timeout={args.timeout}", "-q", "-rfE", f"--junitxml={report}"]
+    print(f"celery suite ({args.mode}, {args.pool}): {report.stem}: {len(tests)} tests", flush=True)
+    return subprocess.Popen([*argv, *tests, *args.pytest_args], cwd=root, env=env)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("plain", "backend", "fenced"), required=True)
     parser.add_argument("--pool", choices=("prefork", "gevent"), default="prefork", help="the suite worker's pool")
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="files of t/integration")
     parser.add_argument("--timeout", type=int, default=30, help="per-test timeout, seconds")
+    parser.add_argument("--shards", type=int, default=1, help="runs side by side, each on its own Redis")
     parser.add_argument("--keep", type=Path, help="keep the work folder here (for a look afterwards)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix=f"celery-suite-{args.mode}-{args.pool}-"))
     root = unpack(celery_sdist(), work / "src", args.pool)
-    redis = RedisServer(default_binary(), work).start()
-    env = dict(
-        os.environ,
-        FENCED_CELERY_SUITE=args.mode,
-        FENCED_CELERY_SUITE_POOL=args.pool,
-        FENCED_CELERY_SUITE_TIMEOUT=str(args.timeout),
-        TEST_BROKER=redis.url(0),
-        TEST_BACKEND=redis.url(1),
-        REDIS_HOST="127.0.0.1",
-        REDIS_PORT=str(redis.port),
-    )
     allowed = listed(baseline_of_installed_celery(args.mode, args.pool))
     if args.mode != "plain":
         allowed |= listed("known-fenced-failures.txt")
-
-    def run_pytest(tests: list[str], report: Path) -> tuple[set[str], set[str], int]:
-        pytest = ["-m", "gevent.monkey", "--module", "pytest"] if args.pool == "gevent" else ["-m", "pytest"]
-        argv = [sys.executable, *pytest, "-p", "celery.contrib.pytest", "-p", "no:cacheprovider"]
-        if find_spec("pytest_rerunfailures") is not None:
-            argv += ["-p", "no:rerunfailures"]
-        argv += [f"--timeout={args.timeout}", "-q", "-rfE", f"--junitxml={report}", *tests, *args.pytest_args]
-        print(f"celery suite ({args.mode}, {args.pool}): {' '.join(argv[1:])}", flush=True)
-        subprocess.run(argv, cwd=root, env=env, check=False)
-        if not report.exists():
-            raise RuntimeError("pytest wrote no report")
-        return outcomes(report)
-
+    servers: list[RedisServer] = []
+    failed: set[str] = set()
+    passed: set[str] = set()
+    skipped = 0
+    flaky: list[str] = []
+    new: list[str] = []
     try:
-        failed, passed, skipped = run_pytest([f"t/integration/{name}" for name in args.tests], work / "junit.xml")
+        tests = [f"t/integration/{name}" for name in args.tests]
+        shards = split_by_class(collect(root, env_of(args, None), tests), args.shards) if args.shards > 1 else [tests]
+        runs = []
+        for number, shard in enumerate(shards):
+            servers.append(RedisServer(default_binary(), work / f"redis-{number}").start())
+            report = work / f"junit-{number}.xml"
+            runs.append((start_pytest(root, env_of(args, servers[-1]), args, shard, report), report))
+        for process, report in runs:
+            process.wait()
+            if not report.exists():
+                raise RuntimeError(f"pytest wrote no report {report.name}")
+            shard_failed, shard_passed, shard_skipped = outcomes(report)
+            failed |= shard_failed
+            passed |= shard_passed
+            skipped += shard_skipped
+        passed -= failed
         print(
             f"\ncelery suite ({args.mode}, {args.pool}): {len(passed)} passed, {len(failed)} failed, {skipped} skipped"
         )
         new = sorted(failed - allowed)
-        flaky: list[str] = []
         if new and len(new) <= RUN_AGAIN_AT_MOST:
             # One more run of the unlisted failures alone (not a blanket rerun of every test):
             # a test that fails twice is a failure; one that passes the second time is shown.
             # Only a test that passed the second time is flaky: one that failed again, or did not
             # run at all (a module that cannot be collected), is a failure.
-            _, again_passed, _ = run_pytest([f"t/integration/{test_id}" for test_id in new], work / "again.xml")
+            again = work / "again.xml"
+            start_pytest(root, env_of(args, servers[0]), args, [f"t/integration/{t}" for t in new], again).wait()
+            _, again_passed, _ = outcomes(again) if again.exists() else (set(), set(), 0)
             flaky = sorted(set(new) & again_passed)
             new = sorted(set(new) - again_passed)
     finally:
-        redis.stop()
+        for server in servers:
+            server.stop()
         if args.keep:
             shutil.copytree(work, args.keep, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -200,6 +200,12 @@ def test_redrive_puts_an_abandoned_task_back(cluster: Cluster) -> None:
     cluster.results.hset(KEYS.lease(result.id), "maxTakeovers", 3)  # the operator raised the limit
     assert redrive(app.app, result.id) == "redriven"
     runs = cluster.wait_runs(result.id, 2, timeout=20)
+    # The abandon's FAILURE was published to this client's subscription before the redrive:
+    # Celery's get() reads the stored result first, then the messages in the order they came,
+    # so it returns the new owner's result once that is stored (a client that asks while the
+    # redriven run is still running is answered by the abandon's message, as Celery answers
+    # any READY message).
+    wait_until(lambda: (stored(cluster, result.id) or {}).get("status") == "SUCCESS", 20, "the new owner's result")
     assert result.get(timeout=20) == f"owner {runs[1]['token']} rd"
     assert_finished_once_by_current_owner(cluster, result.id)
 

@@ -43,7 +43,9 @@ def cells() -> Iterator[Any]:
     for pool in POOLS:
         for fault in FAULTS:
             for path in PATHS:
-                marks = []
+                # Each (pool, fault) scenario runs once per process: its cells stay together
+                # under pytest-xdist's --dist loadgroup.
+                marks: list[Any] = [pytest.mark.xdist_group(f"{pool}-{fault}")]
                 reason = listed(CANNOT_HOLD, pool, fault, path)
                 if reason is None:
                     hole = listed(KNOWN_HOLES, pool, fault, path)
@@ -101,7 +103,11 @@ def test_cell(scenario: Observed, path: str) -> None:
 
 @pytest.mark.parametrize(
     ("scenario", "path"),
-    [pytest.param((pool, "none"), path, id=f"{pool}-{path}") for pool in POOLS for path in PLAIN_TWINS],
+    [
+        pytest.param((pool, "none"), path, id=f"{pool}-{path}", marks=pytest.mark.xdist_group(f"{pool}-none"))
+        for pool in POOLS
+        for path in PLAIN_TWINS
+    ],
     indirect=["scenario"],
 )
 def test_plain_celery_stores_what_the_checker_expects(scenario: Observed, path: str) -> None:

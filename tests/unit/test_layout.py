@@ -54,6 +54,11 @@ TESTED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/unit/lease/test_acquire.py",
         "the lease store runs one script per change: tested per script, tests/unit/lease/test_<script>.py",
     ),
+    # A part of an integration, tested through it.
+    "celery_fenced.contrib.flower._attempts": (
+        "tests/unit/contrib/test_flower.py",
+        "the attempt history of the Flower integration: fed through Flower's real event State, as install() wires it",
+    ),
     # Tests that need what the unit tests do not have.
     "celery_fenced._operator.dashboards": (
         "tests/monitoring/test_rules.py",

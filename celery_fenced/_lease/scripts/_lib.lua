@@ -43,6 +43,11 @@
 --                                       given ones (a "status" given wins: the HANDED_OFF
 --                                       record is such a tombstone); the recorded call,
 --                                       progress and details go
+-- undo_hand_off(key, prior)             take back the hand-off recorded at key: its five
+--                                       fields go, the run's own hand-off token (prior, the
+--                                       handoffPrior read by the caller; nil for none) is put
+--                                       back as handoffToken, and the record's expiry goes;
+--                                       the caller sets the status
 
 local function now_ms_text()
   local t = redis.call('TIME')
@@ -167,4 +172,12 @@ local function end_as_tombstone(key, fields)
     kept[#kept + 1] = item
   end
   redis.call('HSET', key, unpack(kept))
+end
+
+local function undo_hand_off(key, prior)
+  redis.call('HDEL', key, 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent', 'handoffWorker')
+  if prior then
+    redis.call('HSET', key, 'handoffToken', prior)
+  end
+  redis.call('PERSIST', key)
 end

@@ -60,18 +60,14 @@ if status == 'HANDED_OFF' then
     return {'finished', status, {}}
   end
   -- The owner was lost before it said it sent the replacement, and the replacement has not
-  -- started: it may never have been sent. Once due, the hand-off is undone as hand_back.lua
-  -- undoes it (the run's own hand-off token back, the record's expiry gone) and the task is
-  -- taken over below, as a lease whose owner was lost.
+  -- started: it may never have been sent. Once due, the hand-off is undone (undo_hand_off: the
+  -- run's own hand-off token back, the record's expiry gone) and the task is taken over below,
+  -- as a lease whose owner was lost.
   if tonumber(h[2] or '0') > now then
     redis.call('ZADD', KEYS[3], h[2], KEYS[1])
     return {'not-due', status, {}}
   end
-  redis.call('HDEL', KEYS[1], 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent', 'handoffWorker')
-  if h[3] then
-    redis.call('HSET', KEYS[1], 'handoffToken', h[3])
-  end
-  redis.call('PERSIST', KEYS[1])
+  undo_hand_off(KEYS[1], h[3])
   redis.call('HSET', KEYS[1], 'status', 'LAPSED')
   status = 'LAPSED'
 end

@@ -28,15 +28,11 @@ end
 local now = now_ms()
 local now_arg = int_arg(now)
 local expire_arg = int_arg(now + tonumber(ARGV[3]))
-redis.call('HDEL', KEYS[1], 'handedOffAt', 'handoffPrior', 'handoffToken', 'handoffSent', 'handoffWorker')
+undo_hand_off(KEYS[1], record[2])
 if KEYS[3] then
   redis.call('ZREM', KEYS[3], KEYS[1])
 end
-if record[2] then
-  redis.call('HSET', KEYS[1], 'handoffToken', record[2])
-end
 redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'leaseExpireAt', expire_arg, 'leaseTtl', ARGV[3],
   'heartbeatAt', now_arg, 'lastProgressAt', now_arg)
-redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[2], expire_arg, KEYS[1])
 return {'ok'}

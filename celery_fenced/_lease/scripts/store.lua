@@ -139,14 +139,10 @@ else
         return {'foreign', status}
       end
       -- The process that handed off was ended by its own worker before it said it sent its
-      -- replacement (a hard time limit, revoke(terminate=True)): the hand-off is undone, as
-      -- hand_back.lua undoes it, and the write is the owner's end, as for its running lease
+      -- replacement (a hard time limit, revoke(terminate=True)): the hand-off is undone
+      -- (undo_hand_off), and the write is the owner's end, as for its running lease
       -- (stored and final; put back, REQUEUED). A replacement sent after all is then a copy.
-      redis.call('HDEL', KEYS[1], 'handoffToken', 'handoffPrior', 'handedOffAt', 'handoffSent', 'handoffWorker')
-      if h[3] then
-        redis.call('HSET', KEYS[1], 'handoffToken', h[3])
-      end
-      redis.call('PERSIST', KEYS[1])
+      undo_hand_off(KEYS[1], h[3])
       redis.call('HSET', KEYS[1], 'status', 'RUNNING')
       status = 'RUNNING'
     end

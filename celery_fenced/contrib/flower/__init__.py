@@ -40,6 +40,7 @@ from celery.events.state import State, Task
 
 from ..._telemetry.events import CANCEL_CAUSE, REDRIVE_CAUSE
 from ...exceptions import TaskAbandonedError
+from ._attempts import ATTEMPT_FIELDS, OUTCOMES, TABLE_MARK, AttemptHistory, cancel_reason, is_cancel, token_of
 
 __all__ = [
     "ATTEMPT_FIELDS",
@@ -62,34 +63,11 @@ _PROGRESS_FIELDS = ("stage", "token", "attempt", "takeovers", "cause", "reason")
 #: The task list columns ``celery fenced flower`` shows by default.
 TASK_COLUMNS = "name,uuid,state,stage,token,attempt,takeovers,received,runtime,worker"
 
-#: The fields of one entry of ``attempts``.
-ATTEMPT_FIELDS = ("attempt", "token", "worker", "started", "ended", "stage", "outcome", "reason")
-
-#: The last thing that happened to an attempt.
-OUTCOMES = (
-    "running",
-    "succeeded",
-    "failed",
-    "retried",
-    "stalled",
-    "lease-lost",
-    "write-refused",
-    "cancelled",
-    "abandoned",
-)
-
 _RECOVERED_BY_PROGRESS = ("STALLED", "TAKEOVER")
 
-#: Outcomes no later event of the attempt replaces: what ended it for good.
-_FINAL_OUTCOMES = ("cancelled", "abandoned", "succeeded", "failed")
-_CELERY_ENDINGS = {
-    "task-succeeded": "succeeded",
-    "task-failed": "failed",
-    "task-retried": "retried",
-    "task-revoked": "cancelled",
-}
-_TABLE_MARK = "\u2063celery-fenced-attempts\u2063"  # stands for the table on the task page
 _SETTLED = "fenced_settled"  # on a task: the READY state an operator or the reaper stored
+_REDRIVEN = "fenced_redriven"  # on a task: the token of the last redrive heard (the abandon's)
+_LOST = "fenced_lost"  # on a task: the token whose owner said it lost the lease
 _installed = False  # global: Flower's classes are patched once per process
 
 
@@ -98,141 +76,6 @@ class ShownDetails(dict[str, Any]):
 
     def __str__(self) -> str:
         return json.dumps(self, sort_keys=True, ensure_ascii=False)
-
-
-class AttemptHistory(list[dict[str, Any]]):
-    """The attempts of one task, oldest first, as Flower heard of them (nothing is read from Redis).
-
-    Each entry has :data:`ATTEMPT_FIELDS`; ``token`` is ``None`` for an attempt that ended
-    before it sent an event of its own (a short first attempt: Celery's events carry no token).
-    """
-
-    def __str__(self) -> str:
-        return _TABLE_MARK
-
-    def heard(self, event: dict[str, Any]) -> None:
-        """Write what ``event`` says into the attempt it is about.
-
-        An attempt that ended for good (:data:`_FINAL_OUTCOMES`) keeps its outcome: the lease
-        loss its owner reports after a cancel, or the refusal of its late write, is no news.
-        """
-        kind = event.get("type", "")
-        when = event.get("timestamp")
-        worker = event.get("hostname")
-        token = _token_of(event.get("token"))
-        if kind == "task-started":
-            newest = self[-1] if self else None
-            if newest is not None and _open(newest) and newest["outcome"] == "running" and newest["worker"] == worker:
-                newest["started"] = newest["started"] or when  # its own event came first
-            else:
-                self._new(worker, when)
-            return
-        if kind == "task-revoked" and event.get("cause") == CANCEL_CAUSE:
-            # The cancel's own event: it carries the cancel's token, which no attempt holds.
-            entry = self._open_attempt()
-            if entry is not None:
-                entry.update(outcome="cancelled", reason=_cancel_reason(event), ended=when)
-            return
-        if kind in _CELERY_ENDINGS:
-            entry = self._by_token(token) if token is not None else self._current()
-            entry = entry or self._new(worker, when)
-            if entry["outcome"] in ("cancelled", "abandoned"):
-                return
-            entry.update(outcome=_CELERY_ENDINGS[kind], ended=when)
-            if kind == "task-failed":
-                entry["reason"] = event.get("exception")
-            return
-        if token is None or not kind.startswith("task-"):
-            return
-        if kind in ("task-takeover", "task-abandoned"):
-            # Sent by the reaper or an operator's command, not by the attempt: about the
-            # attempt of its token, else the latest (an abandon may store its FAILURE under
-            # a token of its own); never a new attempt.
-            found = self._by_token(token) or (self[-1] if self else None)
-            if found is None:
-                return
-            entry = found
-        else:
-            entry = self._by_token(token) or self._adopt(token, worker) or self._new(worker, when, token)
-        if event.get("attempt"):
-            entry["attempt"] = event["attempt"]
-        if event.get("stage"):
-            entry["stage"] = event["stage"]
-        if entry["outcome"] in _FINAL_OUTCOMES:
-            entry["ended"] = entry["ended"] or when
-            return
-        if kind == "task-progress":
-            if entry["outcome"] == "stalled":
-                entry["outcome"] = "running"
-        elif kind == "task-stalled":
-            entry.update(outcome="stalled", reason=f"no progress within the {event.get('bound') or 'stage'}")
-        elif kind == "task-lease-lost":
-            reason = str(event.get("reason") or "")
-            entry.update(outcome="cancelled" if _is_cancel(reason) else "lease-lost", reason=reason)
-            entry["ended"] = entry["ended"] or when
-        elif kind == "task-takeover":
-            if entry["outcome"] in ("running", "stalled"):
-                entry.update(outcome="lease-lost", reason=f"taken over ({event.get('cause')})")
-            entry["ended"] = entry["ended"] or when
-        elif kind == "task-fenced":
-            written = event.get("state") or "result"
-            current = event.get("current_token")
-            entry.update(outcome="write-refused", reason=f"{written} refused: token {token}, current {current}")
-            entry["ended"] = entry["ended"] or when
-        elif kind == "task-abandoned":
-            entry.update(outcome="abandoned", reason=f"takeovers exhausted ({event.get('cause')})")
-            entry["ended"] = entry["ended"] or when
-
-    def _new(self, worker: str | None, when: Any, token: int | None = None) -> dict[str, Any]:
-        entry = dict.fromkeys(ATTEMPT_FIELDS)
-        entry.update(attempt=len(self) + 1, token=token, worker=worker, started=when, outcome="running")
-        self.append(entry)
-        return entry
-
-    def _by_token(self, token: int | None) -> dict[str, Any] | None:
-        return next((entry for entry in self if token is not None and entry["token"] == token), None)
-
-    def _adopt(self, token: int, worker: str | None) -> dict[str, Any] | None:
-        """The attempt Celery's ``task-started`` began, whose token is heard now."""
-        for entry in reversed(self):
-            if entry["token"] is None and _open(entry) and entry["worker"] == worker:
-                entry["token"] = token
-                return entry
-        return None
-
-    def _open_attempt(self) -> dict[str, Any] | None:
-        """The newest attempt that has not ended (the one an operator's action ends)."""
-        return next((entry for entry in reversed(self) if _open(entry)), None)
-
-    def _current(self) -> dict[str, Any] | None:
-        """The attempt Celery's own events are about: the newest token's (a zombie sends none)."""
-        known = [entry for entry in self if entry["token"] is not None]
-        newest = max(known, key=lambda entry: entry["token"]) if known else None
-        latest = self[-1] if self else None
-        if latest is not None and latest["token"] is None and _open(latest):
-            return latest
-        return newest or latest
-
-
-def _open(entry: dict[str, Any]) -> bool:
-    return entry["ended"] is None
-
-
-def _cancel_reason(event: dict[str, Any]) -> str:
-    said = "cancelled (celery fenced cancel)"
-    given = str(event.get("reason") or "")
-    return f"{said}: {given}" if given and given != "cancelled" else said
-
-
-def _is_cancel(reason: str) -> bool:
-    return "cancelled" in reason and "celery fenced cancel" in reason
-
-
-def _token_of(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _history_of(task: Task) -> AttemptHistory:
@@ -247,22 +90,34 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
     """Apply one event to the task it is about, under the token rule."""
     kind = event.get("type", "")
     uuid = event.get("uuid")
-    token = _token_of(event.get("token"))
+    token = token_of(event.get("token"))
     task = state.tasks.get(uuid) if uuid else None
     cause = event.get("cause")
+    newest = token_of(getattr(task, "token", None)) if task is not None else None
+    # An event of an older token than the newest seen: a stale owner's, or the reaper's or an
+    # operator's news of a step the backend has moved past. Counted by Flower, never applied.
+    stale = token is not None and newest is not None and token < newest
     if kind == "task-takeover" and cause == REDRIVE_CAUSE:
-        return _moved_by_the_backend(original, state, event, "TAKEOVER", settled=False)
+        if stale:
+            return None  # the redrive's new attempt (or a cancel) came first
+        result = _moved_by_the_backend(original, state, event, "TAKEOVER", settled=False)
+        setattr(state.tasks[uuid], _REDRIVEN, token)
+        return result
     if task is not None and kind.startswith("task-") and getattr(task, _SETTLED, None):
         return None  # cancelled or abandoned: the backend moves it on only by a redrive
     if kind == "task-revoked" and cause == CANCEL_CAUSE:
-        return _moved_by_the_backend(original, state, event, states.REVOKED, settled=True)
+        return None if stale else _moved_by_the_backend(original, state, event, states.REVOKED, settled=True)
     if kind == "task-abandoned":
+        redriven = token_of(getattr(task, _REDRIVEN, None))
+        if stale or (token is not None and redriven is not None and token <= redriven):
+            return None  # abandoned before a redrive Flower already heard of
         return _moved_by_the_backend(original, state, event, states.FAILURE, settled=True)
     if kind.startswith("task-") and token is not None and task is not None:
-        newest = _token_of(getattr(task, "token", None))
-        if newest is not None and token < newest:
+        if stale:
             return None  # a stale owner's event: counted by Flower, never applied
         if kind == "task-progress":
+            if token == token_of(getattr(task, _LOST, None)):
+                return None  # sent before its owner lost the lease, and heard after
             for name in _PROGRESS_FIELDS:
                 if event.get(name) not in (None, ""):  # an empty stage means "not yet known"
                     setattr(task, name, event[name])
@@ -272,10 +127,11 @@ def _apply(original: Any, state: State, event: dict[str, Any]) -> Any:
             if task.state in _RECOVERED_BY_PROGRESS:
                 task.state = states.STARTED
             return None
-        if kind == "task-lease-lost" and not _is_cancel(str(event.get("reason") or "")):
+        if kind == "task-lease-lost" and not is_cancel(str(event.get("reason") or "")):
             if task.state in (states.STARTED, "STALLED"):
                 task.state = "STALLED"  # it waits to be taken over
             task.reason = event.get("reason")
+            setattr(task, _LOST, token)
             return None
         if kind == "task-takeover":
             # Sent by the reaper's process: the task's worker stays the one that ran it.
@@ -307,11 +163,11 @@ def _moved_by_the_backend(original: Any, state: State, event: dict[str, Any], sh
     if worker is not None:
         task.worker = worker
     task.state = shown
-    token = _token_of(event.get("token"))
+    token = token_of(event.get("token"))
     if token is not None:
         task.token = token
     if shown == states.REVOKED:
-        task.reason = _cancel_reason(event)
+        task.reason = cancel_reason(event)
     if not settled:  # a redrive: the abandoned FAILURE is gone from the backend
         task.exception = task.traceback = task.result = None
         task.reason = "redriven: waiting for a new owner"
@@ -323,7 +179,7 @@ def _as_celery_event(event: dict[str, Any]) -> dict[str, Any]:
     """The Celery event that says what a package event means for the task's state."""
     kind = event.get("type", "")
     if kind == "task-lease-lost":
-        if _is_cancel(str(event.get("reason") or "")):
+        if is_cancel(str(event.get("reason") or "")):
             return dict(event, type="task-revoked", terminated=False, expired=False, signum=None)
         return dict(event, type="task-stalled")  # first news of the task: it waits to be taken over
     if kind == "task-abandoned":
@@ -399,7 +255,7 @@ def lease_first(page: str, task: Any, humanize: Any = None, label: Any = None) -
     history = getattr(task, "attempts", None)
     if _FLOWER_TABLE not in page:  # another page layout: the attempts table stays in its row
         if isinstance(history, AttemptHistory):
-            page = page.replace(_TABLE_MARK, attempts_table(history, humanize))
+            page = page.replace(TABLE_MARK, attempts_table(history, humanize))
         return page
     name_of = label or (lambda name: name.capitalize())
     rows = []

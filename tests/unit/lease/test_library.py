@@ -24,7 +24,16 @@ def test_a_script_gets_only_the_library_functions_it_calls() -> None:
         "fence_of",
         "finished_fence",
     }
-    assert defined("store") == {"now_ms_text", "now_ms", "int_arg", "write_result", "fence_of", "end_as_tombstone"}
+    assert defined("store") == {
+        "now_ms_text",
+        "now_ms",
+        "int_arg",
+        "write_result",
+        "fence_of",
+        "end_as_tombstone",
+        "undo_hand_off",
+    }
+    assert "undo_hand_off" in defined("claim") and "undo_hand_off" in defined("hand_back")
 
 
 def test_a_script_gets_what_its_library_functions_call_in_turn() -> None:

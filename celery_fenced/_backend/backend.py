@@ -22,7 +22,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -79,7 +79,7 @@ CANCELLED = "fenced_cancelled"
 PUT_BACK = "fenced_put_back"
 
 #: store.lua codes that mean "nothing was written": Celery's write side effects are skipped.
-REFUSED_WRITES = frozenset({"stale", "finished", "lapsed", "foreign"})
+REFUSED_WRITES = frozenset({"stale", "finished", "lapsed", "foreign", "missing"})
 
 
 #: Every fenced backend of this process, whose result subscriptions are left at exit.
@@ -315,7 +315,8 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
             retry_delay = _main_process_retry_delay(self.app, request)
         else:
             retry_delay = 0.0
-        outcome = self.lease_store.store(
+        write = partial(
+            self.lease_store.store,
             task_id,
             token,
             self.encode(meta),
@@ -329,8 +330,15 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
             owner_id=fence.owner_id if fence is not None and token is not None else "",
             handed_off_by=str(getattr(request, HANDED_OFF_BY_HEADER, None) or "") if token is None else "",
         )
+        hook = self._record.write_hook or log_write
+        outcome = write()
         self._last_write.outcome = (task_id, outcome.code)
-        (self._record.write_hook or log_write)(self, WriteReport(task_id, state, token, outcome, request))
+        if hook(self, WriteReport(task_id, state, token, outcome, request)):
+            # The writer's lease had vanished (the store lost data) and its owner has it back
+            # (the hook wrote it back): the write is made again, once.
+            outcome = write()
+            self._last_write.outcome = (task_id, outcome.code)
+            hook(self, WriteReport(task_id, state, token, outcome, request))
         return result
 
     def forget_result(self, task_id: str) -> None:

@@ -49,8 +49,9 @@ class WriteReport:
         return int(detail) if self.outcome.code == StoreOutcome.STALE and detail.isdigit() else None
 
 
-#: What hears each write of an app's backend: ``hook(backend, report)``.
-WriteHook = Callable[[Any, WriteReport], None]
+#: What hears each write of an app's backend: ``hook(backend, report)``. True when the write
+#: is to be made again: it was refused as ``missing`` and the writer has its lease back.
+WriteHook = Callable[[Any, WriteReport], bool | None]
 
 
 def log_write(
@@ -90,6 +91,15 @@ def log_write(
     elif code == StoreOutcome.LAPSED:
         what = "request cancelled (a cold shutdown)" if state == "RETRY" else "worker lost"
         logger.warning("%s while running task %s: lease lapsed, the task will be taken over", what, task_id)
+    elif code == StoreOutcome.MISSING:
+        logger.warning(
+            "write dropped: task %s[%s] state=%s token=%s: its lease is gone from Redis (the store lost "
+            "data) and its owner does not have it back",
+            task_name,
+            task_id,
+            state,
+            report.token,
+        )
     else:
         logger.info("write of %s for task %s dropped: %s (%s)", state, task_id, code, report.outcome.detail)
 

@@ -130,6 +130,7 @@ _FIELDS = (
     LeaseField("handedOffAt", "time", "when that owner handed it off"),
     LeaseField("handoffPrior", "int", "a HANDED_OFF record's: the hand-off token its run had, for a hand-back"),
     LeaseField("handoffSent", "int", "a HANDED_OFF record's: 1 once its owner sent the replacement"),
+    LeaseField("handoffCall", "json", "a HANDED_OFF record's: the replacement as sent, for the reaper to send again"),
     LeaseField("handoffWorker", "text", "a HANDED_OFF record's: the worker (one start of it) whose process handed off"),
     LeaseField("forgottenAt", "time", "when AsyncResult.forget() deleted the result (the tombstone expires)"),
     LeaseField("traceContext", "text", "the owner's run span (W3C traceparent), while OpenTelemetry records it"),

@@ -123,6 +123,7 @@ class StoreOutcome(StrEnum):
     LAPSED = "lapsed"
     FOREIGN = "foreign"
     STICKY = "sticky"
+    MISSING = "missing"
 
 
 class ClaimOutcome(StrEnum):
@@ -325,6 +326,7 @@ class LeaseState:
     cancelled_at: int | None
     handoff_token: int
     handed_off_at: int | None
+    handoff_call: Mapping[str, Any] | None
     forgotten_at: int | None
     trace_context: str
 

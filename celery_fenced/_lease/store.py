@@ -320,7 +320,14 @@ class LeaseStore:
         return outcome(RestoreOutcome, "restore", self.scripts.restore(keys=keys, args=args)[0])
 
     def hand_off(
-        self, task_id: str, owner_id: str, token: int, *, keep_ms: int = 0, worker_id: str | None = None
+        self,
+        task_id: str,
+        owner_id: str,
+        token: int,
+        *,
+        keep_ms: int = 0,
+        worker_id: str | None = None,
+        replacement: str = "",
     ) -> ReleaseOutcome:
         """Pass the task id to a replacement (``Task.replace()``), fenced like a write.
 
@@ -331,6 +338,11 @@ class LeaseStore:
         that worker's reservations until :meth:`replacement_sent`: should the worker's liveness
         record lapse first, the task is taken over (the replacement may never have been sent).
 
+        ``replacement`` (JSON of the replacement's signature, as it is about to be sent; ``""``
+        when it cannot be recorded) is kept with the record: should the owner be lost before it
+        says it sent it, or should it not start within the requeue timeout once said sent, the
+        reaper sends it again rather than running the replaced body again.
+
         Returns ``"ok"`` (the caller sends the replacement), or why the owner no longer holds
         it (``"stale-token"``, ``"not-owner"``, ``"finished"``, ``"missing"``): then nothing
         may be sent.
@@ -339,24 +351,37 @@ class LeaseStore:
         if worker_id:
             keys.append(self.keys.reserved_by(worker_id))
         args: list[Any] = [owner_id, _require_token(token), "HANDOFF", worker_id or "", max(0, keep_ms)]
+        if replacement:
+            args += ["", "", "", "", replacement]
         return outcome(ReleaseOutcome, "release", self.retry(self.scripts.release, keys, args)[0])
 
     def replacement_sent(
-        self, task_id: str, owner_id: str, token: int, *, worker_id: str | None = None
+        self,
+        task_id: str,
+        owner_id: str,
+        token: int,
+        *,
+        worker_id: str | None = None,
+        due_in_ms: int | None = None,
     ) -> ReleaseOutcome:
         """Say that the owner which handed off with ``token`` sent its replacement
         (``replacement_sent.lua``; run again under ``retry``): its record waits for the
         replacement whatever becomes of the owner, and leaves ``worker_id``'s reservations.
 
+        With ``due_in_ms`` (the requeue timeout), a record that keeps its replacement (see
+        :meth:`hand_off`) is due then: a replacement not started by then (the broker lost
+        it) is sent again by the reaper.
+
         Returns ``"ok"``, or why no hand-off of this owner waits (``"finished"``: the
         replacement started, or the reaper undid the hand-off; ``"stale-token"``,
         ``"not-owner"``, ``"missing"``).
         """
-        keys = [self.keys.lease(_require_task_id(task_id))]
-        args: list[Any] = [owner_id, _require_token(token)]
+        keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        args: list[Any] = [owner_id, _require_token(token), worker_id or ""]
         if worker_id:
             keys.append(self.keys.reserved_by(worker_id))
-            args.append(worker_id)
+        if due_in_ms is not None:
+            args.append(max(0, int(due_in_ms)))
         return outcome(ReleaseOutcome, "replacement_sent", self.retry(self.scripts.replacement_sent, keys, args)[0])
 
     def hand_back(

@@ -145,7 +145,16 @@ def reap(app: Celery, now: float | None = None, limit: int = DEFAULT_BATCH) -> R
 
 def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
     state = result.state
-    if result.code == ClaimOutcome.REQUEUED and state is not None:
+    if result.code == ClaimOutcome.REQUEUED and state is not None and result.cause == "handoff":
+        resend_replacement(app, state)
+        report.requeued.append(result.task_id)
+        logger.warning(
+            "hand-off: task %s[%s] token=%s: its replacement has not started: sent again",
+            state.task_name,
+            state.task_id,
+            state.handoff_token,
+        )
+    elif result.code == ClaimOutcome.REQUEUED and state is not None:
         resend(app, state, cause=result.cause)
         report.requeued.append(result.task_id)
         logger.warning(
@@ -226,6 +235,16 @@ def resend(app: Celery, state: LeaseState, cause: str = "resend") -> Any:
                 **trace_headers,
             },
         )
+
+
+def resend_replacement(app: Celery, state: LeaseState) -> Any:
+    """Send the recorded replacement of a hand-off again (``handoffCall``: the signature as its
+    owner sent it, every id in it frozen and every publish named after the replaced run), so
+    a copy of a replacement that was only late does not run twice."""
+    if not state.handoff_call:
+        raise ValueError(f"task {state.task_id} has no recorded replacement to send again")
+    with outside_any_task():
+        return app.signature(dict(state.handoff_call)).apply_async()
 
 
 def send_call(

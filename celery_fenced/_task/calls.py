@@ -122,12 +122,26 @@ def mark_replacement(sig: Any, task_id: str, publish_id: str, token: int) -> boo
     ``Task.replace()`` gives the replacement the replaced task's id: ``sig`` itself, the last
     task of a chain, the body of a chord, or a task of a chain the replaced task was part of.
     That message names the token it was handed off from, and keeps the replaced run's publish
-    id (a copy of either message is then one run: once finished, neither runs again).
-    Returns False when no signature of ``sig`` runs under ``task_id``.
+    id (a copy of either message is then one run: once finished, neither runs again). Every
+    other step of ``sig`` with an id of its own (a chain's first steps, a chord's header) is
+    named a publish derived from the run and its id, so the reaper's re-send of a replacement
+    said sent and not started (the broker lost it, or it was late) is a copy of each of its
+    steps, not a new run of them. Returns False when no signature of ``sig`` runs under
+    ``task_id``.
     """
     carrier = _signature_with_id(sig, task_id)
     if carrier is None:
         return False
+    if publish_id:
+        for step in _signatures_in(sig):
+            step_id = (step.get("options") or {}).get("task_id")
+            if not step_id or step_id == task_id:  # the carrier, or a canvas sent as it
+                continue
+            step_options = step.setdefault("options", {})
+            step_headers = dict(step_options.get("headers") or {})
+            digest = hashlib.blake2b(f"{publish_id}/{step_id}/replacement".encode(), digest_size=8)
+            step_headers.setdefault(PUBLISH_ID_HEADER, digest.hexdigest())
+            step_options["headers"] = step_headers
     options = carrier.setdefault("options", {})
     headers = dict(options.get("headers") or {})
     headers[HANDED_OFF_BY_HEADER] = str(token)
@@ -135,6 +149,21 @@ def mark_replacement(sig: Any, task_id: str, publish_id: str, token: int) -> boo
         headers[PUBLISH_ID_HEADER] = publish_id
     options["headers"] = headers
     return True
+
+
+def _signatures_in(sig: Any) -> list[Any]:
+    """``sig`` and every signature (a dict) nested in it: a chain's tasks, a group's, a
+    chord's header and body."""
+    if not isinstance(sig, dict):
+        return []
+    found = [sig]
+    kwargs = sig.get("kwargs") or {}
+    if isinstance(kwargs, dict):
+        for name in ("tasks", "header", "body"):
+            nested = kwargs.get(name)
+            for item in nested if isinstance(nested, (list, tuple)) else [nested]:
+                found += _signatures_in(item)
+    return found
 
 
 def _signature_with_id(sig: Any, task_id: str) -> Any:

@@ -298,8 +298,8 @@ class ProgressLeasedTask(Task):
         lease = self._owned()
         if lease is None or request.is_eager:
             return super().on_replace(sig)
-        worker_lifecycle().hand_off(self, lease)
         mark_replacement(sig, lease.task_id, lease.publish_id, lease.token)
+        worker_lifecycle().hand_off(self, lease, sig)
         try:
             return super().on_replace(sig)
         except Ignore:  # sent: Celery ends the body with Ignore

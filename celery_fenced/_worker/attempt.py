@@ -29,6 +29,7 @@ from .._reaper.reaper import request_reap
 from .._task.running import ATTEMPT_ATTRIBUTE
 from .._telemetry import events, tracing
 from .._telemetry.process import TELEMETRY
+from .heartbeat import take_back
 
 if TYPE_CHECKING:
     from .._lease.store import LeaseStore
@@ -117,6 +118,8 @@ class Attempt:
                     report_the_end(app, lease, activity, duration)
         elif outcome.code == StoreOutcome.STALE and not overtaken_by_its_retry(report, lease):
             self._fenced(store, app, report.state, report.current_token)
+        elif outcome.code == StoreOutcome.MISSING:
+            lease.mark_lost("its lease is gone from Redis (the store lost data)")
 
     def _fenced(self, store: LeaseStore, app: Any, state: str, current: int | None) -> None:
         lease = self.lease
@@ -199,15 +202,26 @@ def overtaken_by_its_retry(report: WriteReport, lease: OwnedLease | None) -> boo
     )
 
 
-def after_write(backend: Any, report: WriteReport) -> None:
+def after_write(backend: Any, report: WriteReport) -> bool:
     """The worker's write hook: log and count a refused write, ask for a reap after a lapse,
     and tell the writing attempt what became of its write.
 
     The writing attempt is the one on the write's request, for a write that carried its token.
+    A write refused because its lease is gone from Redis (the store lost data) is made again
+    (True) once its owner has the lease back (:func:`~celery_fenced._worker.heartbeat.take_back`);
+    an owner that cannot have it back (a thawed one) stores nothing.
     """
     code = report.outcome.code
     # attempt_of(), inlined: every write's path
     writer: Attempt | None = getattr(report.request, ATTEMPT_ATTRIBUTE, None) if report.token is not None else None
+    if (
+        code == StoreOutcome.MISSING
+        and writer is not None
+        and writer.lease is not None
+        and not writer.lease.ended
+        and take_back(backend.lease_store, writer.lease, f"{report.state} write")
+    ):
+        return True
     if code != StoreOutcome.STORED:
         lease = writer.lease if writer is not None else None
         overtaken = overtaken_by_its_retry(report, lease)
@@ -226,3 +240,4 @@ def after_write(backend: Any, report: WriteReport) -> None:
             request_reap(backend.app)
     if writer is not None:
         writer.result_written(backend.lease_store, backend.app, report)
+    return False

@@ -28,7 +28,7 @@ from .._task.owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
 from .._telemetry.process import TELEMETRY
 from .loop import TickLoop
 
-__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener", "write_back"]
+__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener", "take_back", "write_back"]
 
 logger = logging.getLogger("celery_fenced.heartbeat")
 
@@ -400,3 +400,43 @@ def write_back(store: LeaseStore, lease: OwnedLease, now: float, *, lapsed: bool
         publish_id=lease.publish_id,
         handed_off_by=lease.handed_off_by,
     )
+
+
+def take_back(store: LeaseStore, lease: OwnedLease, before: str) -> bool:
+    """The lease of an owner about to end its attempt (``before``: its result write, its chain
+    step, its hand-off) is gone from Redis: the store lost data (a FLUSHDB, a restart without
+    persistence, a failover that lost writes, an eviction), and a newer owner's lease may have
+    gone with it. True when the lease is the owner's again, and only then may it go on.
+
+    It is written back (``restore.lua``) as the heartbeat writes back a vanished lease: only
+    for an owner never told it lost whose last renewal is less than a TTL ago, so nobody else
+    can have been given the task (a thawed owner never gets it back), and never over a newer
+    token's lease. Past that age it is written back given up (LAPSED, due a TTL later: a newer
+    owner still live writes its own back first) for the reaper to re-send the task, and the
+    owner goes on with nothing: it stores no result, sends no step, hands nothing off.
+    """
+    if lease.lost_reason is not None:
+        return False
+    code = write_back(store, lease, time.monotonic())
+    if code == RestoreOutcome.RESTORED:
+        logger.warning(
+            "lease restored: task %s[%s] token=%s: its hash had vanished from Redis before its %s",
+            lease.task_name,
+            lease.task_id,
+            lease.token,
+            before,
+        )
+        return True
+    lease.mark_lost(f"its lease vanished from Redis before its {before}: {code}")
+    if code == RestoreOutcome.EXPIRED and write_back(store, lease, time.monotonic(), lapsed=True) == (
+        RestoreOutcome.RESTORED
+    ):
+        logger.warning(
+            "task %s[%s] token=%s: its lease vanished from Redis before its %s, and could have expired: "
+            "given up for a takeover, nothing sent or stored",
+            lease.task_name,
+            lease.task_id,
+            lease.token,
+            before,
+        )
+    return False

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -33,7 +34,7 @@ from .. import signals as fenced_signals
 from .._backend.fence import WriterFence, fence_of, put_fence
 from .._celery.compat import get_actual_ignore_result
 from .._celery.headers import HANDED_OFF_BY_HEADER, PUBLISH_ID_HEADER
-from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome, RestoreOutcome
+from .._lease.state import LapseOutcome, LeaseStatus, ReleaseOutcome
 from .._lease.store import lease_store_of
 from .._task.calls import name_callbacks, recorded_call, retry_call
 from .._task.owner import OwnedLease
@@ -42,7 +43,7 @@ from .._telemetry import events, tracing
 from ..conf import TaskPolicy, ensure_conf, forget_window
 from ..exceptions import LeaseInterrupted, LeaseLostError, StaleOwnerError
 from .attempt import Attempt, attempt_of, report_the_end, skip
-from .heartbeat import Heartbeat, write_back
+from .heartbeat import Heartbeat, take_back
 from .interrupt import body_runner, end_of_body
 from .process import WORKER_PROCESS
 from .request import cancelled_here
@@ -189,6 +190,14 @@ def still_owner(task: Any, lease: OwnedLease) -> bool:
         current = None
     if current is not None and current[1] == lease.token and current[0] in ("RUNNING", "STALLED"):
         return True
+    if lease.lost_reason is None and (current is None or current[1] < lease.token):
+        # Its lease is gone (or an older token's stands in its place): the store lost data.
+        # The owner goes on only once it has its lease back (a thawed owner never does).
+        try:
+            if take_back(task.backend.lease_store, lease, "chain and callbacks"):
+                return True
+        except RedisError as exc:
+            logger.warning("could not restore the lease of task %s: %r", lease.task_id, exc)
     lease.mark_lost("not the owner after the body returned")
     logger.warning(
         "lease lost: task %s[%s] token=%s: callbacks and chain not sent, result not stored (%s)",
@@ -243,7 +252,7 @@ def _lost_on_end(lease: OwnedLease, code: str, what: str) -> NoReturn:
     raise LeaseLostError(lease.task_id, lease.token, reason)
 
 
-def hand_off(task: Any, lease: OwnedLease) -> None:
+def hand_off(task: Any, lease: OwnedLease, replacement: Any = None) -> None:
     """Pass the task id to the replacement ``Task.replace()`` is about to send.
 
     Fenced like a write: only the current owner hands off. The lease becomes a HANDED_OFF
@@ -251,6 +260,12 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
     :func:`~celery_fenced._task.calls.mark_replacement`) can start; a later copy of the replaced
     message does not run. An owner that lost its lease, or whose lease is gone, sends no
     replacement: it gets :class:`LeaseLostError` (the body ends as ``Ignore``).
+
+    ``replacement`` (its signature, every id frozen and every publish named after this run:
+    :func:`~celery_fenced._task.calls.mark_replacement`) is kept with the record: should the
+    owner be lost before it says it sent it, or should it not start within the requeue timeout
+    once said sent (the broker lost it), the reaper sends it again, the same message, instead
+    of running this body again (a canvas step with an id of its own would run twice).
     """
     if not _stop_serving(task, lease):
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
@@ -262,8 +277,18 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
         keep_ms = max(keep_ms, int(forget_window(task.app) * 1000))
     # Filed under this start of the worker until the owner says it sent the replacement: a
     # whole worker lost in between (its liveness record lapses) is taken over.
+    try:
+        recorded = json.dumps(replacement) if replacement is not None else ""
+    except (TypeError, ValueError):
+        recorded = ""  # not JSON (a pickled argument): an owner lost before it says it sent is taken over
     hand = partial(
-        store.hand_off, lease.task_id, lease.owner_id, lease.token, keep_ms=keep_ms, worker_id=WORKER_PROCESS.worker_id
+        store.hand_off,
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        keep_ms=keep_ms,
+        worker_id=WORKER_PROCESS.worker_id,
+        replacement=recorded,
     )
     code = hand()
     if code == ReleaseOutcome.MISSING:
@@ -276,35 +301,22 @@ def hand_off(task: Any, lease: OwnedLease) -> None:
 def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], ReleaseOutcome]) -> ReleaseOutcome:
     """The lease vanished before the hand-off (an eviction, a FLUSH, a failover that lost
     writes): a missing lease is never a hand-off, as a newer owner's record may have vanished
-    with it. Written back as the heartbeat writes a vanished lease back (``restore.lua``): while
-    the owner's last renewal is less than a TTL ago, nobody else can hold the task, and the
-    owner hands off again; else it is written back given up, for the reaper to re-send the
-    task, and nothing is sent (``MISSING``)."""
-    code = write_back(store, lease, time.monotonic())
-    if code == RestoreOutcome.RESTORED:
-        logger.warning(
-            "lease restored: task %s[%s] token=%s: its hash had vanished from Redis before its hand-off",
-            lease.task_name,
-            lease.task_id,
-            lease.token,
-        )
+    with it. Written back as the heartbeat writes a vanished lease back (:func:`take_back`):
+    while the owner's last renewal is less than a TTL ago, nobody else can hold the task, and
+    the owner hands off again; else it is given up for the reaper to re-send the task, and
+    nothing is sent (``MISSING``)."""
+    if take_back(store, lease, "hand-off"):
         return hand()
-    if (
-        code == RestoreOutcome.EXPIRED
-        and write_back(store, lease, time.monotonic(), lapsed=True) == RestoreOutcome.RESTORED
-    ):
-        logger.warning(
-            "task %s[%s] token=%s: its lease vanished from Redis before its hand-off, and could have expired: "
-            "given up for a takeover, no replacement sent",
-            lease.task_name,
-            lease.task_id,
-            lease.token,
-        )
     return ReleaseOutcome.MISSING
 
 
 def replacement_sent(task: Any, lease: OwnedLease) -> None:
-    """``Task.replace()`` sent the replacement: the hand-off's record waits for it, no longer due.
+    """``Task.replace()`` sent the replacement: the hand-off's record waits for it.
+
+    A record that keeps its replacement (:func:`hand_off`) is due after the requeue timeout:
+    should the replacement not start by then (the broker lost its message), the reaper sends
+    it again, the same message under the same ids, so a copy of one that was only late does
+    not run.
 
     Never raises: the replacement is on its way whatever Redis answers. Unsaid (Redis could
     not be reached), the record stays filed under the worker: should the whole worker be lost
@@ -313,7 +325,11 @@ def replacement_sent(task: Any, lease: OwnedLease) -> None:
     """
     try:
         code = task.backend.lease_store.replacement_sent(
-            lease.task_id, lease.owner_id, lease.token, worker_id=WORKER_PROCESS.worker_id
+            lease.task_id,
+            lease.owner_id,
+            lease.token,
+            worker_id=WORKER_PROCESS.worker_id,
+            due_in_ms=int(ensure_conf(task.app).requeue_timeout * 1000),
         )
     except Exception as exc:
         logger.warning(

@@ -9,6 +9,7 @@ on the result cannot stop them; the owner checks its lease once the body returne
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 
@@ -109,10 +110,11 @@ def test_an_owner_frozen_while_sending_its_retry_leaves_the_retry_to_run_once(cl
     assert meta is not None and meta["fence_token"] == runs[1]["token"]
 
 
-def test_an_owner_killed_between_its_hand_off_and_the_send_is_taken_over(cluster: Cluster) -> None:
-    """``Task.replace()``: the hand-off is written, then the replacement is sent. A process
-    killed in between (an OOM kill) sent nothing: the task is taken over once the replacement
-    has not started within the requeue timeout, instead of waiting as HANDED_OFF for ever."""
+def test_an_owner_killed_between_its_hand_off_and_the_send_has_its_replacement_sent_again(cluster: Cluster) -> None:
+    """``Task.replace()``: the hand-off is written, with the replacement, then the replacement
+    is sent. A process killed in between (an OOM kill) sent nothing: the reaper sends the
+    recorded replacement once it has not started within the requeue timeout, instead of
+    waiting as HANDED_OFF for ever; the replaced body does not run again."""
     app = cluster.app()
     worker = cluster.worker("w1", concurrency=2, environ=FREEZE)
     signature = app.replaced_by.s("fenced")
@@ -123,15 +125,16 @@ def test_an_owner_killed_between_its_hand_off_and_the_send_is_taken_over(cluster
     assert lease(cluster, task_id)["status"] == "HANDED_OFF"
     os.kill(int(frozen[0]), signal.SIGKILL)  # type: ignore[index]
     assert result.get(timeout=30) == 5
-    runs = cluster.runs(task_id)
-    assert len(runs) == 2 and runs[1]["token"] > runs[0]["token"]
-    assert "re-sent (cause=gone" in worker.log()
+    assert len(cluster.runs(task_id)) == 1
+    assert "has not started: sent again" in worker.log()
 
 
-def test_a_whole_worker_killed_between_its_hand_off_and_the_send_is_taken_over(cluster: Cluster) -> None:
+def test_a_whole_worker_killed_between_its_hand_off_and_the_send_has_its_replacement_sent_again(
+    cluster: Cluster,
+) -> None:
     """No process of the worker is left to say anything (no ``WorkerLostError``): the hand-off's
-    record, due until its owner says it sent the replacement, is taken over once the
-    requeue timeout passes, by another worker's reaper."""
+    record, filed under the worker until its owner says it sent the replacement, is due once
+    the worker's liveness lapses, and another worker's reaper sends the recorded replacement."""
     app = cluster.app()
     first = cluster.worker("w1", concurrency=2, environ=FREEZE)
     signature = app.replaced_by.s("fenced")
@@ -144,11 +147,31 @@ def test_a_whole_worker_killed_between_its_hand_off_and_the_send_is_taken_over(c
     wait_until(lambda: first.proc.poll() is not None, 10, "the killed worker's exit")
     second = cluster.worker("w2", concurrency=2)
     assert result.get(timeout=30) == 5
-    runs = cluster.runs(task_id)
-    assert len(runs) == 2 and runs[1]["token"] > runs[0]["token"]
-    assert "re-sent (cause=gone" in second.log()
+    assert len(cluster.runs(task_id)) == 1
+    assert "has not started: sent again" in second.log()
     meta = stored(cluster, task_id)
     assert meta is not None and meta["status"] == "SUCCESS"
+
+
+def test_a_handing_process_killed_right_after_its_send_runs_no_step_twice(cluster: Cluster) -> None:
+    """The process that handed off is killed right after Celery published its replacement and
+    before it said so (an OOM kill), and the replacement (a chain whose first step has an id
+    of its own) waits in its queue longer than the requeue timeout. The reaper sends the
+    replacement the hand-off recorded (never the replaced body again): the late original and
+    the re-sent copy are one publish of each step, and each step runs once."""
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2, environ=FREEZE)
+    signature = app.replaced_with.s("queued-chain")
+    task_id = signature.freeze().id
+    cluster.record.set(f"kill-after-publish:{task_id}", 1)
+    result = signature.apply_async()
+    wait_until(lambda: "sent again" in worker.log() or "re-sent (cause=" in worker.log(), 30, "the reaper's send")
+    cluster.worker("w2", concurrency=1, queues="later")
+    assert result.get(timeout=30) == "last"
+    wait_until(lambda: "not run" in cluster.logs(), 20, "the copy of the first step to be refused")
+    steps = sorted(json.loads(x)["name"] for x in cluster.record.lrange(f"replacement-runs:{task_id}", 0, -1))
+    assert steps == ["first", "last"]
+    assert len(cluster.runs(task_id)) == 1  # the replaced body ran once
 
 
 def test_a_replacement_sent_and_waiting_in_its_queue_is_not_taken_over(cluster: Cluster) -> None:

@@ -20,13 +20,16 @@
 --                takeovers; "resend" for a re-send after the requeue timeout, "retry" for
 --                a retry message not started and "unstarted" for a message a worker received
 --                and did not start within the start timeout: these never count, and never
---                abandon)
+--                abandon), or, with cause "handoff", the recorded replacement (handoffCall) of
+--                a hand-off said sent whose replacement did not start within the requeue
+--                timeout (never counts, never abandons; the record stays HANDED_OFF)
 --   "abandoned"  takeovers exhausted: FAILURE stored, lease ABANDONED
 --   "not-due"    live or not yet due: the index entry was moved to the real due time
 --   "waiting"    a re-sent (or retry) message still waits in the queue and was sent as often
 --                as allowed: nothing sent, looked at again after the requeue timeout
 --   "finished"   DONE or ABANDONED already, or HANDED_OFF (the replacement's message is on
---                its way; once received, its reservation stands for it): the index entry
+--                its way; once received, its reservation stands for it; one said sent with
+--                its replacement recorded is due instead, see "requeued"): the index entry
 --                was removed. A HANDED_OFF record whose owner was lost before it said it
 --                sent the replacement (replacement_sent.lua) is due instead (lapseReason
 --                "worker-lost": its process, store.lua; its whole worker, lapse_worker.lua):
@@ -49,9 +52,35 @@ end
 if first[2] == ARGV[3] then
   if status == 'ABANDONED' then
     return {'abandoned', redis.call('HGET', KEYS[1], 'abandonCause') or '', redis.call('HGETALL', KEYS[1])}
-  elseif status == 'REQUEUED' then
+  elseif status == 'REQUEUED' or status == 'HANDED_OFF' then
     return {'requeued', redis.call('HGET', KEYS[1], 'claimCause') or '', redis.call('HGETALL', KEYS[1])}
   end
+end
+local recorded = status == 'HANDED_OFF' and redis.call('HMGET', KEYS[1], 'handoffCall', 'handoffSent', 'lapseReason')
+if recorded and recorded[1] and (recorded[2] == '1' or recorded[3] == 'worker-lost') then
+  -- The replacement is recorded (release.lua), and its owner said it sent it (due a requeue
+  -- timeout later: replacement_sent.lua) or was lost before it said so (due once its process
+  -- or its whole worker was lost: store.lua, lapse_worker.lua), and it has not started since:
+  -- its message was lost (a broker that lost data), waits behind others, or was never sent.
+  -- Once due, it is sent again, the same message under the same ids (a copy of one sent
+  -- after all does not run twice), as a re-sent task is: at most max(maxTakeovers, 1)
+  -- times, then looked at again after each requeue timeout. The hand-off is never undone
+  -- here: the replaced body does not run again, and only the replacement starts the task id.
+  local r = redis.call('HMGET', KEYS[1], 'leaseExpireAt', 'resends', 'maxTakeovers')
+  if tonumber(r[1] or '0') > now then
+    redis.call('ZADD', KEYS[3], r[1], KEYS[1])
+    return {'not-due', status, {}}
+  end
+  local resends = tonumber(r[2] or '0')
+  local next_due = int_arg(now + tonumber(ARGV[2]))
+  redis.call('ZADD', KEYS[3], next_due, KEYS[1])
+  redis.call('HSET', KEYS[1], 'leaseExpireAt', next_due)
+  if resends >= math.max(tonumber(r[3] or '0'), 1) then
+    return {'waiting', 'handoff', {}}
+  end
+  redis.call('HSET', KEYS[1], 'resends', resends + 1, 'requeuedAt', now, 'claimCause', 'handoff',
+    'claimToken', ARGV[3])
+  return {'requeued', 'handoff', redis.call('HGETALL', KEYS[1])}
 end
 if status == 'HANDED_OFF' then
   local h = redis.call('HMGET', KEYS[1], 'lapseReason', 'leaseExpireAt', 'handoffPrior', 'handoffSent')

@@ -37,7 +37,12 @@
 --          REQUEUED, so a retry or a later run starts from the owner's latest checkpoint
 -- ARGV[10] RETRYING: the retry's own call (JSON: its arguments and retries), recorded in
 --          place of the retried run's, so the reaper's re-send of an overdue retry sends the
---          retry and not the run that retried; "" or absent: the recorded call is kept
+--          retry and not the run that retried; "" or absent: the recorded call is kept.
+--          HANDOFF: the replacement, as it is about to be sent (JSON of its signature, every
+--          id in it frozen), kept as handoffCall: should its owner be lost before it says it
+--          sent it, or should it not start within the requeue timeout once said sent, the
+--          reaper sends it again (claim.lua) instead of running the replaced body again;
+--          "" or absent: not recorded (ARGV[6..9] are then "")
 --
 -- A hand-off asked again by the owner that made it (its reply was lost) answers "ok" again.
 --
@@ -76,6 +81,10 @@ if target == 'HANDOFF' then
   if KEYS[3] then
     record[#record + 1] = 'handoffWorker'
     record[#record + 1] = ARGV[4]
+  end
+  if (ARGV[10] or '') ~= '' then
+    record[#record + 1] = 'handoffCall'
+    record[#record + 1] = ARGV[10]
   end
   end_as_tombstone(KEYS[1], record)
   local keep = tonumber(ARGV[5])

@@ -18,7 +18,9 @@
 -- a lease with a fresh token), "stale-token" to an owner whose task was taken over and
 -- finished by the new one; an ABANDONED lease answers "claimed" whatever the token. A
 -- HANDED_OFF record answers "finished" to the owner that handed it off, "stale-token" to
--- any other.
+-- any other. A live lease of an older token, or a reservation (no token), answers "missing"
+-- to a newer token: tokens are handed out in order, so such a lease was written after the
+-- store lost the newer owner's (data loss), which the owner then writes back (restore.lua).
 --
 -- Returns one code per lease: "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED or
 --   ABANDONED) | "lapsed" (given up) | "finished" (DONE, HANDED_OFF) | "cancelled" (DONE by a cancel) |
@@ -47,8 +49,13 @@ for i = 2, #KEYS do
     code = 'claimed'
   elseif status == 'HANDED_OFF' and cur[2] == token then
     code = 'finished'  -- its owner handed it to a replacement
-  elseif cur[2] ~= token then
+  elseif cur[2] ~= token and (status == 'HANDED_OFF' or tonumber(cur[2] or '0') > tonumber(token)) then
     code = 'stale-token'
+  elseif cur[2] ~= token then
+    -- An older token's lease (or a reservation, no token) where this owner's newer one was:
+    -- written after the store lost this owner's lease (an older owner's write-back, a copy of
+    -- the message received). As if missing: the owner writes its own back (restore.lua).
+    code = 'missing'
   elseif cur[3] ~= owner then
     code = 'not-owner'
   elseif status == 'RUNNING' or status == 'STALLED' then

@@ -9,8 +9,14 @@
 -- renewal, which is before the server extended the lease) is less than a TTL ago. Past
 -- that, another owner may have been given the task, and its lease may have vanished too:
 -- "expired", nothing written. An owner that gave its lease up on its own clock writes it
--- back LAPSED instead (ARGV[11] "lapsed"), due now, so the reaper re-sends the task: no
--- owner holds it then, whatever the time.
+-- back LAPSED instead (ARGV[11] "lapsed"), so the reaper re-sends the task: it is due a TTL
+-- from now, not at once, because a newer owner whose lease vanished with it may still be live
+-- (the store lost data), and writes its own back within that TTL.
+--
+-- Between two owners the newer token wins: an owner whose lease is there with an older token,
+-- or as a reservation (no token), puts its own in its place, under the same rule (RUNNING:
+-- its last renewal less than a TTL ago). Tokens are handed out in order, so such a lease was
+-- written after the store lost this owner's. A lapsed write-back never replaces a lease.
 --
 -- KEYS[1]  lease hash
 -- KEYS[2]  token counter
@@ -35,7 +41,8 @@
 --   "restored"  the lease is back, RUNNING for this owner, due at now + ttl (or LAPSED,
 --               due now)
 --   "expired"   the owner's lease could have expired (ARGV[10] >= ttl): nothing written
---   "exists"    a lease exists (another delivery acquired it meanwhile): nothing written
+--   "exists"    a lease exists (another delivery acquired it meanwhile, with a newer
+--               token, or it is finished or handed off): nothing written
 --   "finished"  the task finished under this token: its lease lives on in the result
 --               (fence_of()), nothing written
 --   "stale-token"  the task finished under another token: nothing written
@@ -43,12 +50,21 @@
 -- An owner whose own lease is there, RUNNING with its token (it asks again: its reply was
 -- lost to a connection error, and the client sent it again), is answered "restored", nothing
 -- written, not "exists" (which would make it give up a lease it holds).
+local lapsed = ARGV[11] == 'lapsed'
+local replaced = false
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local cur = redis.call('HMGET', KEYS[1], 'ownerId', 'ownerToken', 'status')
   if cur[1] == ARGV[1] and cur[2] == ARGV[2] and cur[3] == 'RUNNING' then
     return {'restored'}
   end
-  return {'exists'}
+  if lapsed or cur[3] == 'DONE' or cur[3] == 'ABANDONED' or cur[3] == 'HANDED_OFF'
+      or tonumber(cur[2] or '0') >= tonumber(ARGV[2]) then
+    return {'exists'}
+  end
+  -- An older token's lease, or a reservation (no token): written after the store lost this
+  -- owner's (an older owner's write-back, a copy of the message received). The newer token
+  -- wins, under the rule below; the lease is written anew.
+  replaced = true
 end
 local fence = finished_fence(KEYS[4])
 if fence then
@@ -57,9 +73,11 @@ if fence then
   end
   return {'stale-token'}
 end
-local lapsed = ARGV[11] == 'lapsed'
 if not lapsed and tonumber(ARGV[10]) >= tonumber(ARGV[3]) then
   return {'expired'}
+end
+if replaced then
+  redis.call('DEL', KEYS[1])
 end
 local now = now_ms()
 local token = tonumber(ARGV[2])
@@ -88,8 +106,10 @@ if (ARGV[13] or '') ~= '' then
   redis.call('HSET', KEYS[1], 'handoffToken', ARGV[13])
 end
 if lapsed then
-  expire_at = now
-  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now, 'lapseReason', 'gone')
+  -- Due a TTL from now, not at once: a newer owner whose lease vanished with this one's (the
+  -- store lost data) is still live if it renewed within the TTL, and writes its own back over
+  -- this one first (the newer token wins). Only then may the reaper re-send the task.
+  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'lapsedAt', now, 'lapseReason', 'gone')
 end
 redis.call('ZADD', KEYS[3], expire_at, KEYS[1])
 return {'restored'}

@@ -55,6 +55,10 @@
 --   "stored"    written (detail: the lease status after, "" without a lease)
 --   "stale"     refused: a newer token owns the task (detail: the current token)
 --   "finished"  refused: the lease already ended (DONE or ABANDONED), or was handed off
+--   "missing"   refused: a write with a token finds neither a lease nor a finished result
+--               (fence_of()) that refuses it: its lease vanished (data loss), and a newer
+--               owner's may have vanished with it. Nothing written; the owner writes its
+--               lease back (restore.lua) and asks again, or stores nothing
 --   "lapsed"    a tokenless WorkerLostError (or cancel) of the current owner: nothing
 --               written, the lease is LAPSED so the reaper takes the task over at once; of
 --               the process that handed a HANDED_OFF record off: nothing written, the record
@@ -98,13 +102,21 @@ if not status then
       elseif token == '' or token == fence then
         return {'finished', 'DONE'}
       end
-      -- A newer token: a later run of the task id whose lease is gone, as without a lease.
+      -- A newer token: a later run of the task id whose lease is gone (below).
     end
     -- Keep Celery's rule that a stored SUCCESS is final, but check it atomically.
     local ok, decoded = pcall(cjson.decode, old)
     if ok and type(decoded) == 'table' and decoded['status'] == 'SUCCESS' then
       return {'sticky', ''}
     end
+  end
+  if token ~= '' then
+    -- A token's lease is gone while its task is not finished: the lease store lost data (a
+    -- FLUSHDB, a restart without persistence, a failover that lost writes, an eviction), and
+    -- with it, perhaps, a newer owner's lease. Nothing is written: the owner gets its lease
+    -- back first (restore.lua: only while its last renewal is less than a TTL ago), then
+    -- writes again; a thawed owner never does.
+    return {'missing', ''}
   end
   write_result(KEYS[2], meta, expires)
   return {'stored', ''}

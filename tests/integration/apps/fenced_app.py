@@ -80,6 +80,14 @@ if os.environ.get("FENCED_TEST_FREEZE_ON_PUBLISH"):
             record().rpush(f"frozen-publish-of:{own}", os.getpid())
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    # ``kill-after-publish:<parent id>``: the process that published a message whose parent is
+    # that task id is killed (SIGKILL: an OOM kill) right after the publish, once.
+    @signals.after_task_publish.connect(weak=False)
+    def kill_after_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        parent = (headers or {}).get("parent_id")
+        if parent and record().delete(f"kill-after-publish:{parent}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
 
 install(app)
 if os.environ.get("FENCED_TEST_TRACE_FILE"):
@@ -920,6 +928,13 @@ def replaced_with(self: Any, kind: str) -> Any:
         return self.replace(replacement_step.s(origin, "fenced"))
     if kind == "plain":
         return self.replace(plain_replacement_step.s(origin, "plain"))
+    if kind == "queued-chain":  # the chain waits in a queue no worker consumes yet
+        return self.replace(
+            chain(
+                replacement_step.si(origin, "first").set(queue="later"),
+                replacement_step.si(origin, "last").set(queue="later"),
+            )
+        )
     return self.replace(chain(replacement_step.si(origin, "first"), replacement_step.si(origin, "last")))
 
 
@@ -944,3 +959,22 @@ def collected(self: Any, values: list[Any]) -> list[Any]:
     """A chord body that records each run of its body."""
     note_run(self, values=values)
     return values
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def owner_until_told(self: Any) -> str:
+    """Each attempt holds in a stage with a long deadline, progressing, until the test sets
+    ``finish:<id>:<attempt>``; it returns the value of its owner's token."""
+    note_run(self)
+    self.progress("slow-stage")
+    key = f"finish:{self.request.id}:{attempt_number(self)}"
+    while not record().exists(key):
+        time.sleep(0.05)
+    return f"owner {self.fencing_token}"
+
+
+@app.task(bind=True, base=ProgressLeasedTask)
+def received(self: Any, value: Any) -> Any:
+    """A chain's next step: records each run with the value it received."""
+    note_run(self, value=value)
+    return value

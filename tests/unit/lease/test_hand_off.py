@@ -23,7 +23,7 @@ from celery_fenced._lease.state import (
     RestoreOutcome,
 )
 from celery_fenced._lease.store import LeaseStore
-from tests.unit.lease.helpers import acquire, claim, held, wait_for
+from tests.unit.lease.helpers import acquire, claim, held, server_ms, wait_for
 
 A, B, C = "host/1/a", "host/2/b", "host/3/c"
 CALL = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {"queue": "celery"}}
@@ -182,6 +182,11 @@ def test_a_frozen_owners_vanished_lease_is_not_restored(store: LeaseStore, redis
     assert restore(60_000, lapsed=True) == RestoreOutcome.RESTORED  # given up: for the reaper to re-send
     back = store.read("t1")
     assert back is not None and back.status == LeaseStatus.LAPSED
+    # Due a TTL later: a newer owner whose lease vanished with it writes its own back first.
+    assert back.lease_expire_at is not None and back.lease_expire_at >= server_ms(redis_client) + 2000
+    (claimed,) = claim(store, "t1")
+    assert claimed.code == "not-due"
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)  # the TTL passed
     (claimed,) = claim(store, "t1")
     assert claimed.code == "requeued"
 
@@ -448,3 +453,75 @@ def test_a_replacement_run_restored_before_its_hand_off_keeps_the_hand_off_that_
     copy = acquire(store, owner=C, call=CALL, publish_id="p1")  # a late copy of the first, replaced message
     assert copy.outcome == AcquireOutcome.HANDED_OFF
     assert claimed.state.raw.get("handoffToken") == str(first)
+
+
+# -- a replacement said sent that never starts (the broker lost its message) ----------------------
+
+REPLACEMENT = {"task": "proj.other", "args": [2], "kwargs": {}, "options": {"task_id": "t1", "queue": "later"}}
+
+
+def recorded_hand_off(store: LeaseStore, worker_id: str | None = None) -> int:
+    """As :func:`handed_off`, the replacement recorded with the record: A's token."""
+    state = held(store, owner=A, call=CALL, publish_id="p1")
+    code = store.hand_off(
+        "t1", A, state.owner_token, keep_ms=60_000, worker_id=worker_id, replacement=json.dumps(REPLACEMENT)
+    )
+    assert code == "ok"
+    return state.owner_token
+
+
+def test_a_replacement_said_sent_and_not_started_is_sent_again_after_the_requeue_timeout(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    token = recorded_hand_off(store)
+    assert store.replacement_sent("t1", A, token, due_in_ms=5000) == "ok"
+    record = store.read("t1")
+    assert record is not None and record.handoff_call == REPLACEMENT
+    assert (record.lease_expire_at or 0) >= server_ms(redis_client) + 4000
+    (claimed,) = claim(store, "t1", requeue=5000)
+    assert claimed.code == "not-due"  # within the requeue timeout: its message is on its way
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)  # the timeout passed
+    (claimed,) = claim(store, "t1", requeue=5000)
+    assert (claimed.code, claimed.cause) == ("requeued", "handoff")  # the reaper sends it again
+    assert claimed.state is not None and claimed.state.handoff_call == REPLACEMENT
+    again = store.read("t1")
+    assert again is not None and again.status == LeaseStatus.HANDED_OFF  # never undone: no second run
+    assert again.resends == 1 and redis_client.zscore(store.keys.index, store.keys.lease("t1")) is not None
+    # Sent again at most max(maxTakeovers, 1) times; then only looked at after each timeout.
+    for _ in range(2):
+        redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+        assert claim(store, "t1", requeue=5000)[0].code == "requeued"
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+    assert claim(store, "t1", requeue=5000)[0].code == "waiting"
+    assert redis_client.zscore(store.keys.index, store.keys.lease("t1")) is not None  # nothing waits for ever
+    # The replacement's message (a copy or the original) starts the task id, once.
+    started = acquire(store, owner=C, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert started.outcome == AcquireOutcome.NEW
+    copy = acquire(store, owner=B, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert copy.outcome == AcquireOutcome.DUPLICATE
+
+
+def test_a_handing_process_lost_after_its_send_and_before_saying_so_is_not_run_again(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # Killed between Celery's publish and replacement_sent.lua (an OOM kill): its worker's
+    # WorkerLostError makes the record due a requeue timeout later. The replacement may have
+    # been sent, and may wait in a queue longer than that: the reaper sends the recorded
+    # replacement again, the same message, and never undoes the hand-off (which ran the
+    # replaced body again, and a canvas step with an id of its own twice).
+    token = recorded_hand_off(store, worker_id=WORKER)
+    lost = store.store(
+        "t1", None, b'{"status": "FAILURE"}', state="FAILURE", kind="ready", expires_ms=0, writer="host/1/",
+        worker_lost=True, retry_due_ms=5000,
+    )  # fmt: skip
+    assert lost.code == "lapsed"
+    assert claim(store, "t1", requeue=5000)[0].code == "not-due"
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+    (claimed,) = claim(store, "t1", requeue=5000)
+    assert (claimed.code, claimed.cause) == ("requeued", "handoff")
+    record = store.read("t1")
+    assert record is not None and record.status == LeaseStatus.HANDED_OFF and record.raw["handoffToken"] == str(token)
+    copy = acquire(store, owner=B, call=CALL, publish_id="p1")  # the replaced message: never again
+    assert copy.outcome == AcquireOutcome.HANDED_OFF
+    started = acquire(store, owner=C, call=NEW_CALL, publish_id="p1", handed_off_by=str(token))
+    assert started.outcome == AcquireOutcome.NEW

@@ -120,3 +120,22 @@ def test_expiries_come_from_the_server_clock_not_the_clients(
     assert after is not None and after.lease_expire_at is not None and after.last_progress_at is not None
     assert abs(after.lease_expire_at - (now + TTL)) < 1000
     assert abs(after.last_progress_at - (now - 100)) < 1000
+
+
+def test_an_older_tokens_lease_answers_a_newer_owner_as_missing(store: LeaseStore, redis_client: redis.Redis) -> None:
+    # Tokens are handed out in order: a lease of an older token where a newer owner renews was
+    # written after the store lost that owner's lease (an older owner's write-back, a copy of
+    # the message reserved). The newer owner is told its lease is missing, and writes it back.
+    older = acquire(store, ttl=50)
+    lease = store.read("t1")
+    assert lease is not None
+    wait_for(lambda: store.server_time_ms() > (lease.lease_expire_at or 0))
+    newer = held(store, owner="host/2/b")
+    for status in ("LAPSED", "RUNNING", "REQUEUED", "RESERVED"):
+        redis_client.hset(store.keys.lease("t1"), mapping={"status": status, "ownerToken": older.token})
+        assert store.renew_many([renew_req(newer, "host/2/b")]) == ["missing"]
+    redis_client.hdel(store.keys.lease("t1"), "ownerToken")  # a reservation: no token at all
+    assert store.renew_many([renew_req(newer, "host/2/b")]) == ["missing"]
+    # The other way round, as before: an older owner is refused by a newer token.
+    redis_client.hset(store.keys.lease("t1"), mapping={"status": "RUNNING", "ownerToken": newer.owner_token})
+    assert store.renew_many([renew_req(newer, token=older.token)]) == ["stale-token"]

@@ -247,3 +247,57 @@ def test_a_tokenless_failure_of_a_reservation_lands_only_from_its_host_or_a_pool
         assert store.read(task_id).status == "DONE"  # type: ignore[union-attr]
         assert redis_client.get(store.keys.result(task_id)) == b"x"
     assert store.read("theirs").status == "RESERVED"  # type: ignore[union-attr]
+
+
+# -- the lease store lost data (FLUSHDB, a restart without persistence, an eviction) -------------
+
+
+def _taken_over(store: LeaseStore) -> tuple[int, int]:
+    """Owner A froze, its lease expired, owner B took the task over: their tokens."""
+    first = acquire(store, owner="host/1/a", ttl=50)
+    lease = store.read("t1")
+    assert lease is not None
+    wait_for(lambda: store.server_time_ms() > (lease.lease_expire_at or 0))
+    second = held(store, owner="host/2/b")
+    return first.token, second.owner_token
+
+
+def _success(token: int) -> bytes:
+    return b'{"status": "SUCCESS", "result": %d, "fence_run": "p1/1/0", "fence_token": %d}' % (token, token)
+
+
+def test_after_a_flush_a_stale_owners_write_is_refused_as_missing(store: LeaseStore, redis_client: redis.Redis) -> None:
+    old, new = _taken_over(store)
+    redis_client.flushdb()
+    refused = store.store("t1", old, _success(old), state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
+    assert refused.code == "missing"
+    assert redis_client.get(store.keys.result("t1")) is None  # nothing stored, nothing published
+    # The current owner's write is refused the same way until it has its lease back (restore.lua).
+    current = store.store("t1", new, _success(new), state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/2/b")
+    assert current.code == "missing"
+    for state in ("STARTED", "FAILURE"):
+        kind = "ready" if state == "FAILURE" else "other"
+        assert store.store("t1", old, b"{}", state=state, kind=kind, expires_ms=0).code == "missing"
+
+
+def test_after_the_result_and_the_counter_were_evicted_a_stale_owners_success_is_refused(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    old, new = _taken_over(store)
+    assert store.store("t1", new, _success(new), state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/2/b")
+    redis_client.delete(store.keys.lease("t1"))  # the lease hash evicted (or only the compact form left)
+    for state in ("SUCCESS", "FAILURE", "REVOKED"):  # never over a result with a higher fence
+        stale = store.store("t1", old, _success(old), state=state, kind="ready", expires_ms=0)
+        assert stale.code == "stale" and stale.detail == str(new)
+    redis_client.delete(store.keys.result("t1"), store.keys.token)  # then the result and the counter
+    refused = store.store("t1", old, _success(old), state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
+    assert refused.code == "missing"
+    assert redis_client.get(store.keys.result("t1")) is None
+
+
+def test_a_tokenless_write_without_a_lease_is_still_stored_as_celery_stores_it(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # A plain task (no lease, no token): Celery's own write, unchanged.
+    assert store.store("plain", None, b'{"status": "FAILURE"}', state="FAILURE", kind="ready", expires_ms=0).stored
+    assert redis_client.get(store.keys.result("plain")) == b'{"status": "FAILURE"}'

@@ -115,7 +115,16 @@ def test_the_replacement_that_runs_under_the_task_id_names_the_hand_off() -> Non
     steps = chain(step.s(1), step.s(2))
     steps.freeze("t2")
     assert mark_replacement(steps, "t2", "p1", 7)
-    assert steps.tasks[-1].options["headers"] == marked and "headers" not in steps.tasks[0].options
+    assert steps.tasks[-1].options["headers"] == marked
+    # The first step, an id of its own: named a publish of the run, the same each time it is
+    # named (a re-send of the recorded replacement is a copy of it, not a new run).
+    first = steps.tasks[0].options["headers"]
+    assert set(first) == {PUBLISH_ID_HEADER} and first[PUBLISH_ID_HEADER] != "p1"
+    again = chain(step.s(1), step.s(2))
+    again.freeze("t2")
+    again.tasks[0].options["task_id"] = steps.tasks[0].options["task_id"]
+    mark_replacement(again, "t2", "p1", 7)
+    assert again.tasks[0].options["headers"] == first
     fanned = group(step.s(1), step.s(2)) | step.s()  # a group replaced: a chord, its body under the id
     fanned.freeze("t3")
     assert mark_replacement(fanned, "t3", "", 7)

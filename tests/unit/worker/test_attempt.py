@@ -19,7 +19,7 @@ from celery_fenced._task.running import ATTEMPT_ATTRIBUTE, began
 from celery_fenced._telemetry.metrics import MetricsBuffer
 from celery_fenced._telemetry.process import TELEMETRY
 from celery_fenced._worker.attempt import Attempt, attempt_of, begin, fence_for, overtaken_by_its_retry, skip
-from celery_fenced.conf import FencedConfig
+from celery_fenced.conf import FencedConfig, ensure_conf
 
 OWNER = "host/1/a"
 
@@ -141,3 +141,45 @@ def test_a_retry_write_beaten_by_its_own_retry_message_loses_nothing(store: Leas
     assert not overtaken_by_its_retry(written(attempt, "SUCCESS", stale), lease)
     attempt.result_written(store, app, written(attempt, "RETRY", stale))
     assert lease.lost_reason is None
+
+
+# -- a write whose lease the store lost (FLUSHDB, a restart without persistence, an eviction) -----
+
+
+def _owned_write(fenced_app: Celery, started: float | None = None) -> tuple[OwnedLease, Context]:
+    from celery_fenced._backend.writes import set_hook
+    from celery_fenced._worker.attempt import after_write
+
+    set_hook(fenced_app, after_write)  # the worker's write hook, as a worker installs it
+    policy = ensure_conf(fenced_app).policy
+    store = fenced_app.backend.lease_store
+    result = store.acquire("t1", OWNER, ttl_ms=policy.lease_ttl_ms, task_name="proj.task", max_takeovers=3)
+    lease = OwnedLease("t1", "proj.task", OWNER, result.token, 1, 0, policy, started=started)
+    request = Context(id="t1")
+    begin(request, lease)
+    store.client.flushdb()  # the lease store loses everything
+    return lease, request
+
+
+def test_a_live_owners_write_whose_lease_vanished_gets_the_lease_back_and_is_stored(fenced_app: Celery) -> None:
+    lease, request = _owned_write(fenced_app)
+    fenced_app.backend.store_result("t1", "mine", "SUCCESS", request=request)
+    assert attempt_of(request).write == StoreOutcome.STORED  # type: ignore[union-attr]
+    assert fenced_app.AsyncResult("t1").result == "mine"
+    assert lease.ended and lease.lost_reason is None
+
+
+def test_a_thawed_owners_write_whose_lease_vanished_is_not_stored(fenced_app: Celery) -> None:
+    # Its last renewal a TTL ago or more (frozen): a newer owner may hold the task, its lease
+    # gone with this one's. Nothing is stored; the lease is written back given up, due a TTL
+    # later, for the reaper (a live newer owner writes its own back over it first).
+    policy = ensure_conf(fenced_app).policy
+    lease, request = _owned_write(fenced_app, started=time.monotonic() - policy.lease_ttl - 1)
+    fenced_app.backend.store_result("t1", "stale", "SUCCESS", request=request)
+    assert attempt_of(request).write == "missing"  # type: ignore[union-attr]
+    store = fenced_app.backend.lease_store
+    assert store.client.get(store.keys.result("t1")) is None
+    assert lease.lost_reason is not None
+    written = store.read("t1")
+    assert written is not None and written.status == "LAPSED" and written.owner_token == lease.token
+    assert (written.lease_expire_at or 0) > store.server_time_ms() + policy.lease_ttl_ms // 2

@@ -1,0 +1,84 @@
+"""The lease store loses data while tasks run (a FLUSHDB, a restart without persistence): a
+stale owner never wins, on real workers.
+
+The review's sequence: owner A is frozen (SIGSTOP) in the body, its lease lapses, owner B
+takes the task over; then the lease store loses everything, and A thaws and returns before
+B's next renewal. Judged by what was stored: A's write refused, B's result stored, the
+chain's next step run once, with B's value.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import redis
+from celery import chain
+
+from tests.integration.conftest import Cluster, lease, stored
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+#: Long enough that owner B, frozen while A thaws and writes, keeps its lease on its own clock.
+TTL = 5
+
+
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_after_a_flush_a_thawed_owner_stores_and_sends_nothing_and_the_current_owner_finishes(
+    cluster: Cluster, pool: str
+) -> None:
+    cluster.settings["fenced_lease_ttl"] = TTL
+    app = cluster.app()
+    w1 = cluster.worker("w1", pool=pool, concurrency=1)
+    flow = chain(app.owner_until_told.s(), app.received.s()).delay()
+    task_id = flow.parent.id
+    [a] = cluster.wait_runs(task_id, 1)
+    w2 = cluster.worker("w2", pool=pool, concurrency=1)
+    cluster.beat()
+    w1.signal_group(signal.SIGSTOP)  # A, heartbeat and body, frozen in the body
+    try:
+        cluster.record.set(f"finish:{task_id}:1", 1)  # A returns as soon as it runs again
+        b = cluster.wait_runs(task_id, 2, timeout=30)[1]  # its lease lapsed: B took the task over
+        assert b["hostname"].startswith("w2@") and b["token"] > a["token"]
+        # B stopped between two renewals (well within its TTL), so A thaws in the window
+        # between the loss and B's next renewal, every time.
+        w2.signal_group(signal.SIGSTOP)
+        try:
+            cluster.results.flushdb()  # the lease store loses its leases, tokens and results
+            w1.signal_group(signal.SIGCONT)
+            wait_until(lambda: "write dropped" in w1.log() or stored(cluster, task_id) is not None, 15, "A's write")
+        finally:
+            w2.signal_group(signal.SIGCONT)
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    assert stored(cluster, task_id) is None, "the thawed owner's result was stored"
+    wait_until(lambda: lease(cluster, task_id).get("ownerToken") == str(b["token"]), 10, "B's lease back")
+    cluster.record.set(f"finish:{task_id}:2", 1)
+    value = f"owner {b['token']}"
+    assert flow.get(timeout=20) == value
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == value
+    assert meta["fence_token"] == b["token"]
+    assert [run["value"] for run in cluster.runs(flow.id)] == [value]  # the next step: once, B's value
+    assert len(cluster.runs(task_id)) == 2
+    assert "lease restored" in w2.log()
+
+
+def test_a_replacement_said_sent_whose_message_the_broker_lost_is_sent_again(cluster: Cluster) -> None:
+    """The owner hands off and says it sent its replacement; the broker then loses the message
+    (a broker Redis restarted without data). After the requeue timeout the reaper sends the
+    recorded replacement again: the task finishes, and the replaced body ran once."""
+    if not cluster.broker_url.startswith("redis"):
+        pytest.skip("the broker's lost message is a deleted Redis list")
+    app = cluster.app()
+    first = cluster.worker("w1", concurrency=2)
+    result = app.replaced_by.delay("queued")  # its replacement waits in a queue nobody consumes yet
+    wait_until(lambda: lease(cluster, result.id).get("handoffSent") == "1", 20, "the sent hand-off")
+    with redis.Redis.from_url(cluster.broker_url) as broker:
+        assert broker.delete("later") == 1  # the broker lost the replacement's message
+    wait_until(lambda: "has not started: sent again" in first.log(), 20, "the replacement sent again")
+    assert lease(cluster, result.id)["status"] == "HANDED_OFF"
+    cluster.worker("w2", concurrency=1, queues="later")
+    assert result.get(timeout=30) == 5
+    assert len(cluster.runs(result.id)) == 1  # the replaced body ran once

@@ -237,6 +237,14 @@ class TaskModel:
     ended_state: str = ""
     #: its lease's expiry (or lapse) is past the reaper's takeover grace too
     past_grace: bool = False
+    #: LAPSED by an owner's write-back of its vanished lease: due only once time passes
+    waits_ttl: bool = False
+    #: its hand-off recorded the replacement (handoffCall): the reaper sends it again
+    recorded: bool = False
+    #: HANDED_OFF and recorded: the reaper's re-sends of the replacement so far
+    resends: int = 0
+    #: DONE by a cancel (its lease keeps cancelledAt)
+    cancelled: bool = False
     #: a key of it was evicted or expired: the model no longer knows exactly what Redis holds
     #: (until FLUSHDB); see :attr:`Violations.muted`
     uncertain: bool = False
@@ -404,6 +412,7 @@ class ProtocolModel:
             task.status, task.fence, task.holder = RUNNING, token, owner
             task.expired = task.due = task.forgotten = task.past_grace = False
             task.takeovers, task.ended_by, task.done_publish = takeovers, None, ""
+            task.cancelled = task.waits_ttl = False
             if task.status == NONE:  # a lease written anew: no hand-off's token on it
                 task.handoff_token = 0
         else:
@@ -464,10 +473,13 @@ class ProtocolModel:
     def time_passed(self, task_id: str, past_grace: bool = False) -> None:
         task = self.task(task_id)
         task.past_grace = past_grace  # the machine wrote the expiry back: past the grace or not
+        task.waits_ttl = False
         if task.status == RUNNING:
             task.expired = True
         elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
             task.due = True
+        elif task.status == HANDED_OFF and task.recorded and task.sent:
+            task.due = True  # said sent: the reaper looks whether the replacement started
         for owner in self.owners:
             if owner.task_id == task_id and owner.believes_live:
                 owner.expired = True
@@ -478,7 +490,10 @@ class ProtocolModel:
         task = self.task(owner.task_id)
         where = f"{owner!r} restored its lease (task {task.status}, newest token {task.fence})"
         if code == "restored" and task.holder is owner and task.status == RUNNING:
-            return  # its own lease is there (it asks again: a lost reply): nothing written
+            # Its own lease is there (it asks again: a lost reply), or was written back after
+            # the hash alone was lost (the model does not follow a lone eviction): its lease.
+            owner.lease_gone = False
+            return
         if code == "restored":
             newest = self.truth[owner.task_id].newest
             if newest is not None and owner.token < newest.token:
@@ -489,7 +504,9 @@ class ProtocolModel:
                 self.violated("stale-restore", where)
             elif task.status in FINAL and task.forgotten:
                 self.violated("restore-after-forget", where)
-            elif task.status != NONE:
+            elif task.status != NONE and not (task.status in HELD and not lapsed and owner.token > task.fence):
+                # An older token's lease where this owner's was (written after the store lost
+                # this owner's): the newer token wins, and writes its own in its place.
                 self.violated("restore-over-state", where)
             elif owner.expired and not lapsed:
                 self.violated("restore-of-expired-lease", f"{where} after it had expired")
@@ -497,8 +514,11 @@ class ProtocolModel:
             task.status, task.fence, task.holder = RUNNING, owner.token, owner
             task.handoff_token = int(owner.handed_off_by or 0)
             task.expired = task.due = owner.expired = task.past_grace = owner.lease_gone = False
+            task.waits_ttl = False
             if lapsed:
-                task.status, owner.believes_live = LAPSED, False
+                # Given up, due a TTL from now: a newer owner whose lease vanished with it
+                # writes its own back first.
+                task.status, owner.believes_live, task.waits_ttl = LAPSED, False, True
         elif code == "expired" and (lapsed or not owner.expired):
             self.violated("model-mismatch", f"{where}: expired, for an owner that renewed less than a TTL ago")
         elif task.status == NONE and (lapsed or not owner.expired) and owner.token >= task.fence and not task.result:
@@ -669,7 +689,7 @@ class ProtocolModel:
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's end was refused")
 
-    def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool) -> None:
+    def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool, recorded: bool = False) -> None:
         """``Task.replace()``: fenced like a write; a finished hand-off sends the replacement
         (its message names the owner's token) and leaves a HANDED_OFF record that refuses
         older tokens and every message but the replacement's."""
@@ -694,6 +714,7 @@ class ProtocolModel:
             task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
             task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
             task.sent, task.filed, task.filed_worker = False, True, owner.worker
+            task.recorded, task.resends = recorded, 0
             owner.believes_live = False
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
@@ -740,7 +761,7 @@ class ProtocolModel:
         task.handed_off, task.handoff_token = task.before_handoff
         task.lost_handoff = False
 
-    def said_sent(self, owner: Owner, code: str) -> None:
+    def said_sent(self, owner: Owner, code: str, filed: bool = True) -> None:
         """The owner that handed off sent its replacement and says so: its own record, as the
         hand-off left it, is no longer due; nothing else changes."""
         task = self.task(owner.task_id)
@@ -749,7 +770,11 @@ class ProtocolModel:
         if code == "ok":
             if not its_own:
                 return self.violated("foreign-send-said", where)
-            task.sent, task.filed = True, False  # even after its process was taken for lost
+            # Even after its process was taken for lost. Said without its worker (the worker's
+            # id unknown), the filing stays, and the worker's lapse passes it by (said sent).
+            # A recorded replacement is due a requeue timeout from the first saying.
+            task.due = task.due and task.sent
+            task.sent, task.filed = True, task.filed and not filed
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not marked sent")
 
@@ -763,8 +788,24 @@ class ProtocolModel:
         # The replacement may never have been sent: its process was lost before it said so.
         lost = task.status == HANDED_OFF and task.lost_handoff and not task.sent
         graced = task.past_grace or not grace
-        counted = (task.status == RUNNING and task.expired and graced) or (task.status == LAPSED and graced)
+        lapsed_due = task.status == LAPSED and graced and not task.waits_ttl
+        counted = (task.status == RUNNING and task.expired and graced) or lapsed_due
         counted = counted or (lost and task.due and graced)
+        # A recorded replacement said sent, or whose owner was lost before it said so: once
+        # due, sent again (the record stays), at most max(MAX_TAKEOVERS, 1) times.
+        resend = task.status == HANDED_OFF and task.recorded and (task.sent or task.lost_handoff)
+        if resend:
+            allowed = {"not-due"} if not task.due else {"requeued" if task.resends < max(MAX_TAKEOVERS, 1) else "waiting"}
+            if reserved <= task.fence:
+                allowed.add("retry-later")
+            if code not in allowed:
+                self.violated(
+                    "model-mismatch", f"claim of {task_id} (a recorded hand-off) answered {code}, expected {allowed}"
+                )
+            if code in ("requeued", "waiting"):
+                task.due = False
+                task.resends += code == "requeued"
+            return
         if task.status == NONE:
             allowed = {"missing"}
         elif lost and task.due and not graced:
@@ -808,6 +849,7 @@ class ProtocolModel:
             task.due = False
 
     def cancelled(self, task_id: str, code: str, token: int, unknown_too: bool) -> None:
+        """``celery fenced cancel``: a fresh token, a fenced REVOKED, the lease DONE."""
         self.hand_out(token, f"the cancel of {task_id}")
         task = self.task(task_id)
         if task.status in FINAL:
@@ -826,7 +868,7 @@ class ProtocolModel:
             self.violated("model-mismatch", f"cancel of {task_id} answered {code} ({task.status}), expected {allowed}")
         if code == "cancelled":
             task.status, task.fence, task.holder, task.result, task.done_publish = DONE, token, None, True, ""
-            task.forgotten, task.ended_by = False, None
+            task.forgotten, task.ended_by, task.cancelled = False, None, True
 
     def redriven(self, task_id: str, code: str) -> None:
         task = self.task(task_id)

@@ -10,7 +10,7 @@ lease and the result always share a Redis Cluster slot::
                                                      token epoch it is (a failover begins another)
     <prefix>:leases                                  sorted set: lease key -> next due time (ms)
     <prefix>:metrics                                 hash: cluster-wide metric totals
-    <prefix>:gaps                                    hash: stage -> newest longest-gap samples
+    <prefix>:gaps                                    hash: task|stage|bucket -> longest-gap samples
     <prefix>:abandoned                               sorted set: abandoned lease key -> time (ms)
     <prefix>:workers                                 sorted set: worker id -> alive until (ms)
     <prefix>:reserved:<worker id>                    sorted set: a worker's reservations' lease
@@ -64,7 +64,7 @@ class KeySpace:
 
     @property
     def gaps(self) -> str:
-        """Per stage, the newest samples of the longest gap between progress calls (for ``tune``)."""
+        """Per task and stage, the samples of the longest gap between progress calls (for ``tune``)."""
         return f"{self.prefix}:gaps"
 
     @property

@@ -38,7 +38,7 @@ class MetricsStore:
         self.scripts.metrics(keys=[self.keys.metrics], args=args)
 
     def add_gaps(self, counts: Mapping[str, int], *, max_fields: int) -> None:
-        """Add gap samples (``"stage|bucket" → count``) to the cluster's fine histograms."""
+        """Add gap samples (``"task|stage|bucket" → count``) to the cluster's fine histograms."""
         args: list[Any] = [max_fields]
         for field, count in counts.items():
             args += [field, count]
@@ -49,5 +49,5 @@ class MetricsStore:
         return {as_text(k): float(v) for k, v in self.client.hgetall(self.keys.metrics).items()}
 
     def gap_fields(self) -> dict[str, int]:
-        """The cluster's gap samples: ``"stage|bucket" → count``."""
+        """The cluster's gap samples: ``"task|stage|bucket" → count``."""
         return {as_text(k): int(v) for k, v in self.client.hgetall(self.keys.gaps).items()}

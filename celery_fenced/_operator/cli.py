@@ -7,10 +7,12 @@ and gets the app from -A.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from .._celery.startup import flush_warnings
 from .._lease.state import CancelOutcome, RedriveOutcome
 from .._lease.store import LeaseStore, lease_store_of
 from .._telemetry.metrics import ClusterCollector, read_false_takeovers, read_gaps
-from ..conf import ensure_conf
+from ..conf import TaskPolicy, ensure_conf
 from ..exceptions import ConfigurationError
 from . import control
 from .listing import (
@@ -278,8 +280,10 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
     """Suggest stage deadlines: max(floor, quantile × factor) of the longest gaps between progress calls.
 
     A deadline bounds the longest gap between two progress calls of its stage, so that is
-    what is sampled (one sample per visit of a stage, the newest ones kept). A stage with
-    false takeovers (an old owner that finished soon after it was taken over) is never cut.
+    what is sampled (one sample per visit of a stage, the newest ones kept), per task: each
+    row shows the deadline in force for that task (its own stage_timeouts, else the app's).
+    A stage with false takeovers (an old owner that ran on past its deadline and finished
+    after it was taken over) is never cut.
     """
     for wrong, name, rule in (
         (floor <= 0, "--floor", "above 0"),
@@ -291,17 +295,18 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
             raise click.BadParameter(f"{name} must be {rule}", param_hint=name)
     app = _app(ctx)
     store = _store(app)
-    policy = ensure_conf(app).policy
     false_takeovers = read_false_takeovers(store)
     gaps = read_gaps(store)
-    stages = set(gaps) | {stage for stage, count in false_takeovers.items() if count}
-    if not stages:
+    keys = set(gaps) | {key for key, count in false_takeovers.items() if count}
+    if not keys:
         click.echo("no stage samples yet: run some tasks first")
         return
-    current = {stage: policy.stage_timeout(stage or None) for stage in stages}
+    deadlines = _TaskDeadlines(app)
+    current = {(task, stage): deadlines.policy(task).stage_timeout(stage or None) for task, stage in keys}
     suggestions = suggest(gaps, false_takeovers, current, floor=floor, factor=factor, q=q, min_samples=min_samples)
     rows = [
         (
+            s.task or "-",
             s.stage or "(none)",
             str(s.samples),
             seconds(s.gap_quantile),
@@ -309,11 +314,12 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
             str(s.false_takeovers),
             f"{s.current:g}s",
             "-" if s.suggested is None or not s.enough else f"{s.suggested:g}s",
-            s.note,
+            "; ".join(note for note in (s.note, deadlines.note(s.task)) if note),
         )
         for s in suggestions
     ]
     headers = (
+        "TASK",
         "STAGE",
         "SAMPLES",
         f"P{q * 100:g} GAP",
@@ -326,18 +332,67 @@ def tune(ctx: click.Context, floor: float, factor: float, q: float, min_samples:
     click.echo(table(headers, rows))
     for s in suggestions:
         if s.samples and not s.enough:
+            of = f" of {s.task}" if s.task else ""
             click.echo(
-                f"warning: stage {s.stage!r} has {s.samples} sample(s), fewer than {min_samples}: no suggestion "
+                f"warning: stage {s.stage!r}{of} has {s.samples} sample(s), fewer than {min_samples}: no suggestion "
                 "(run more tasks, or lower --min-samples)",
                 err=True,
             )
-    chosen = {s.stage: s.suggested for s in suggestions if s.stage and s.suggested is not None and s.enough}
+    chosen = [s for s in suggestions if s.stage and s.suggested is not None and s.enough]
     if not chosen:
         click.echo("no suggestion: no stage has enough samples yet (keep your fenced_stage_timeouts)")
         return
-    # The whole table, the stages not suggested for kept as they are: pasted, it removes no deadline.
-    pasted = {**policy.stage_timeouts, **chosen}
-    click.echo(f"fenced_stage_timeouts = {json.dumps(pasted, sort_keys=True)}")
+    # Each table whole, the stages not suggested for kept as they are: pasted, it removes no
+    # deadline. A task with its own table gets its own line; the app's table comes last, each
+    # stage at the most any task that uses it needs.
+    for task in sorted({s.task for s in chosen if deadlines.own_table(s.task) is not None}):
+        own = deadlines.own_table(task) or {}
+        mine = {s.stage: s.suggested for s in chosen if s.task == task}
+        click.echo(f"{task}: stage_timeouts = {json.dumps({**own, **mine}, sort_keys=True)}")
+    shared: dict[str, float] = {}
+    for s in chosen:
+        if deadlines.own_table(s.task) is None:
+            assert s.suggested is not None
+            shared[s.stage] = max(shared.get(s.stage, 0.0), s.suggested)
+    if shared:
+        policy = ensure_conf(app).policy
+        click.echo(f"fenced_stage_timeouts = {json.dumps({**policy.stage_timeouts, **shared}, sort_keys=True)}")
+
+
+class _TaskDeadlines:
+    """The deadlines each task runs under, as the app given to ``tune`` defines its tasks."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.conf = ensure_conf(app)
+        with contextlib.suppress(Exception):  # the modules a worker imports (``imports``, ``include``)
+            app.loader.import_default_modules()
+
+    def task(self, name: str) -> Any:
+        """The fenced task registered under ``name``, else ``None``."""
+        task = self.app.tasks.get(name) if name else None
+        return task if getattr(task, "fenced_task", False) else None
+
+    def policy(self, name: str) -> TaskPolicy:
+        """The policy of the task ``name``: its own options over the app's; the app's for a task
+        this app does not define (or samples that name none)."""
+        task = self.task(name)
+        return self.conf.policy if task is None else self.conf.policy_for(task)
+
+    def own_table(self, name: str) -> Mapping[str, float] | None:
+        """The task's own ``stage_timeouts`` (which replace the app's for it), else ``None``."""
+        task = self.task(name)
+        return (
+            None if task is None or getattr(task, "stage_timeouts", None) is None else self.policy(name).stage_timeouts
+        )
+
+    def note(self, name: str) -> str:
+        """What the CURRENT column rests on, when it is not plain."""
+        if name and self.task(name) is None:
+            return "task not defined in this app: the app's deadline shown"
+        if self.own_table(name) is not None:
+            return "the task's own stage_timeouts"
+        return ""
 
 
 @fenced.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -2,10 +2,12 @@
 
 A stage's deadline (``fenced_stage_timeouts``) bounds the longest time between two progress
 calls while the stage is current, not the time spent in the stage. Each visit of a stage
-gives one sample, its longest gap, counted in a fine histogram per stage (buckets 2 % wide,
-see :func:`~celery_fenced._telemetry.metrics.gap_bucket`). A suggestion is
+gives one sample, its longest gap, counted in a fine histogram per task and stage (each task
+may have its own deadlines; buckets 2 % wide, see
+:func:`~celery_fenced._telemetry.metrics.gap_bucket`). A suggestion is
 ``max(floor, quantile × factor)`` of those samples, said with how many samples it rests on;
-a stage whose old owner finished soon after a takeover (a false takeover) is never cut.
+a stage whose old owner ran on past its deadline and finished after a takeover (a false
+takeover) is never cut.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from dataclasses import dataclass
 
 from .._telemetry.metrics import gap_bucket_middle
 
-__all__ = ["StageSuggestion", "quantile", "suggest"]
+__all__ = ["StageKey", "StageSuggestion", "quantile", "suggest"]
+
+#: A stage of one task: ``(task name, stage)``; the task is ``""`` for samples that do not
+#: name it.
+StageKey = tuple[str, str]
 
 
 def quantile(histogram: Mapping[int, int], q: float) -> float:
@@ -41,19 +47,22 @@ def quantile(histogram: Mapping[int, int], q: float) -> float:
 
 @dataclass(frozen=True)
 class StageSuggestion:
-    """What ``tune`` says of one stage.
+    """What ``tune`` says of one stage of one task.
 
     Attributes:
+        task: the task's name (``""`` when the samples do not name it).
         stage: the stage name (normalised).
         samples: how many gap samples the suggestion rests on.
         gap_quantile: the quantile of the longest gaps, seconds (``None`` without samples).
         longest_gap: the longest gap sampled, seconds (``None`` without samples).
-        false_takeovers: takeovers of this stage whose old owner finished soon after.
-        current: the deadline in force now, seconds.
+        false_takeovers: takeovers of this stage whose old owner ran on past the deadline and
+            finished soon after.
+        current: the deadline in force now for this task, seconds.
         suggested: the suggested deadline, seconds (``None`` when there is nothing to go on).
         enough: True when ``samples`` reaches the minimum asked for.
     """
 
+    task: str
     stage: str
     samples: int
     gap_quantile: float | None
@@ -77,32 +86,33 @@ class StageSuggestion:
 
 
 def suggest(
-    gaps: Mapping[str, Mapping[int, int]],
-    false_takeovers: Mapping[str, float],
-    current: Mapping[str, float],
+    gaps: Mapping[StageKey, Mapping[int, int]],
+    false_takeovers: Mapping[StageKey, float],
+    current: Mapping[StageKey, float],
     *,
     floor: float,
     factor: float,
     q: float = 0.99,
     min_samples: int = 30,
 ) -> list[StageSuggestion]:
-    """Suggest a deadline for each stage seen in ``gaps`` or ``false_takeovers``.
+    """Suggest a deadline for each stage of a task seen in ``gaps`` or ``false_takeovers``.
 
     Args:
-        gaps: per stage, the fine histogram of the longest gaps between progress calls.
-        false_takeovers: per stage, how many takeovers were false.
-        current: per stage, the deadline in force now, seconds.
+        gaps: per ``(task, stage)``, the fine histogram of the longest gaps between progress calls.
+        false_takeovers: per ``(task, stage)``, how many takeovers were false.
+        current: per ``(task, stage)``, the deadline in force now for that task, seconds.
         floor: the smallest deadline suggested.
         factor: the safety factor over the quantile.
         q: the quantile of the gaps the suggestion starts from.
         min_samples: below this many samples, a suggestion is marked as resting on too few.
     """
     suggestions = []
-    for stage in sorted(set(gaps) | {s for s, n in false_takeovers.items() if n}):
-        histogram = gaps.get(stage) or {}
+    for key in sorted(set(gaps) | {k for k, n in false_takeovers.items() if n}):
+        task, stage = key
+        histogram = gaps.get(key) or {}
         samples = sum(histogram.values())
-        false = int(false_takeovers.get(stage, 0))
-        now = current[stage]
+        false = int(false_takeovers.get(key, 0))
+        now = current[key]
         gap_q = quantile(histogram, q) if samples else None
         suggested = None if gap_q is None else max(floor, gap_q * factor)
         if false:
@@ -112,6 +122,7 @@ def suggest(
             suggested = math.ceil(suggested * 10) / 10
         suggestions.append(
             StageSuggestion(
+                task=task,
                 stage=stage,
                 samples=samples,
                 gap_quantile=gap_q,

@@ -57,6 +57,7 @@ __all__ = [
     "register_reaper_task",
     "request_reap",
     "resend",
+    "resend_replacement",
     "send_call",
 ]
 

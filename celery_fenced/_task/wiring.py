@@ -82,6 +82,9 @@ def connect_worker_hooks(app: Celery) -> None:
         _on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
     )
     signals.worker_shutdown.connect(_on_worker_shutdown, weak=False, dispatch_uid="celery_fenced.worker_shutdown")
+    signals.worker_shutting_down.connect(
+        _on_worker_shutting_down, weak=False, dispatch_uid="celery_fenced.worker_shutting_down"
+    )
     # Loaded by name when a worker starts (Celery's blueprints accept "module:Class").
     app.steps["worker"].add(f"{WORKER_HOOKS}:FencedWorkerStep")
     app.steps["consumer"].add(f"{WORKER_HOOKS}:ChildExitWatch")
@@ -127,3 +130,7 @@ def _on_process_shutdown(**_: Any) -> None:
 
 def _on_worker_shutdown(**_: Any) -> None:
     _worker_hooks().on_worker_shutdown()
+
+
+def _on_worker_shutting_down(**_: Any) -> None:
+    _worker_hooks().on_worker_shutting_down()

@@ -57,7 +57,10 @@ COUNTERS: Mapping[str, str] = {
         "Writes refused because a newer token owned the task or wrote the row or key"
         " (results, fenced_set, fenced_update)."
     ),
-    "owner_false_takeover_total": "Takeovers whose old owner later tried to store a SUCCESS (deadline too tight).",
+    "owner_false_takeover_total": (
+        "Takeovers whose old owner ran on past its stage's deadline and then tried to store a SUCCESS"
+        " (deadline too tight), by stage and task."
+    ),
     "owner_stream_idle_timeout_total": "Streams that went quiet for longer than their idle timeout.",
 }
 
@@ -128,9 +131,9 @@ class MetricsBuffer:
         # Histograms: per series, the count of each bucket alone (made cumulative by take()),
         # so that an observation is one bisect and one increment.
         self._observed: dict[str, list[float]] = {}
-        # Per stage, how many stage visits had their longest gap between progress calls in
-        # each bucket of the fine gap histogram, since the last flush.
-        self._gaps: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        # Per task and stage, how many stage visits had their longest gap between progress
+        # calls in each bucket of the fine gap histogram, since the last flush.
+        self._gaps: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         """Add to a counter."""
@@ -164,12 +167,14 @@ class MetricsBuffer:
         *,
         sample_gaps: bool,
         duration: float | None = None,
+        task: str = "",
     ) -> None:
         """Count ``updates`` progress calls and the stages an attempt finished, in one step.
 
         ``stages`` holds ``(stage, seconds in it, longest gap between progress calls)``; the
-        gaps are sampled for ``tune`` only when ``sample_gaps``. ``duration`` is the run time
-        of an attempt that stored its SUCCESS (``owner_task_total_duration_seconds``).
+        gaps are sampled for ``tune`` only when ``sample_gaps``, under ``task`` (the task's
+        name: each task may have its own deadlines). ``duration`` is the run time of an
+        attempt that stored its SUCCESS (``owner_task_total_duration_seconds``).
         """
         with self._lock:
             if updates:
@@ -178,21 +183,21 @@ class MetricsBuffer:
                 if stage is not None:
                     self._observe(_stage_series(stage), seconds)
                     if sample_gaps:
-                        self._gaps[stage][gap_bucket(gap)] += 1
+                        self._gaps[task, stage][gap_bucket(gap)] += 1
             if duration is not None:
                 self._observe(_TASK_DURATION, duration)
 
-    def sample_gap(self, stage: str, seconds: float) -> None:
-        """Record the longest gap between progress calls of one visit of ``stage``."""
+    def sample_gap(self, stage: str, seconds: float, task: str = "") -> None:
+        """Record the longest gap between progress calls of one visit of ``stage`` by ``task``."""
         index = gap_bucket(seconds)
         with self._lock:
-            self._gaps[stage][index] += 1
+            self._gaps[task, stage][index] += 1
 
-    def take_gaps(self) -> dict[str, dict[int, int]]:
-        """Take the pending gap counts, per stage and bucket (they are gone from the buffer)."""
+    def take_gaps(self) -> dict[tuple[str, str], dict[int, int]]:
+        """Take the pending gap counts, per ``(task, stage)`` and bucket (they are gone from the buffer)."""
         with self._lock:
             gaps, self._gaps = self._gaps, defaultdict(lambda: defaultdict(int))
-        return {stage: dict(counts) for stage, counts in gaps.items()}
+        return {key: dict(counts) for key, counts in gaps.items()}
 
     def take(self) -> dict[str, float]:
         """Take the pending deltas (they are gone from the buffer)."""
@@ -226,7 +231,9 @@ class MetricsBuffer:
         gaps = self.take_gaps() if self._gaps else {}
         if gaps:
             counts = {
-                f"{stage}|{index}": count for stage, by_bucket in gaps.items() for index, count in by_bucket.items()
+                f"{task}|{stage}|{index}": count
+                for (task, stage), by_bucket in gaps.items()
+                for index, count in by_bucket.items()
             }
             try:
                 store.metrics.add_gaps(counts, max_fields=MAX_GAP_FIELDS)
@@ -270,21 +277,27 @@ def gap_bucket_middle(index: int) -> float:
     return float(GAP_MIN * GAP_RATIO ** (index + 0.5))
 
 
-def read_gaps(store: LeaseStore) -> dict[str, dict[int, int]]:
-    """Per stage, the cluster's fine gap histogram: ``{stage: {bucket: count}}``."""
-    gaps: dict[str, dict[int, int]] = defaultdict(dict)
+def read_gaps(store: LeaseStore) -> dict[tuple[str, str], dict[int, int]]:
+    """Per task and stage, the cluster's fine gap histogram: ``{(task, stage): {bucket: count}}``.
+
+    A sample counted without its task (a version before samples named it) has the task ``""``.
+    """
+    gaps: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
     for field, count in store.metrics.gap_fields().items():
-        stage, _, index = field.rpartition("|")
-        gaps[stage][int(index)] = count
+        head, _, index = field.rpartition("|")
+        task, named, stage = head.partition("|")
+        key = (task, stage) if named else ("", head)
+        gaps[key][int(index)] = gaps[key].get(int(index), 0) + count
     return dict(gaps)
 
 
-def read_false_takeovers(store: LeaseStore) -> dict[str, float]:
-    """The cluster's false takeovers, per stage."""
-    counts: dict[str, float] = defaultdict(float)
+def read_false_takeovers(store: LeaseStore) -> dict[tuple[str, str], float]:
+    """The cluster's false takeovers, per ``(task, stage)`` (task ``""`` when not named)."""
+    counts: dict[tuple[str, str], float] = defaultdict(float)
     for name, labels, value in read_totals(store):
         if name == "owner_false_takeover_total":
-            counts[_parse_labels(labels).get("stage", "")] += value
+            parsed = _parse_labels(labels)
+            counts[parsed.get("task", ""), parsed.get("stage", "")] += value
     return dict(counts)
 
 

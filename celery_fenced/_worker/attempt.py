@@ -42,6 +42,7 @@ __all__ = [
     "after_write",
     "attempt_of",
     "begin",
+    "false_takeover",
     "fence_for",
     "overtaken_by_its_retry",
     "report_the_end",
@@ -51,8 +52,25 @@ __all__ = [
 logger = logging.getLogger("celery_fenced.worker.attempt")
 
 #: A taken-over owner whose SUCCESS comes within this many times its stage's deadline after
-#: its last progress counts as a false takeover; one that needed longer was stuck, not slow.
+#: its last progress (the time it ran, its silences left out) counts as a false takeover; one
+#: that needed longer was stuck, not slow.
 FALSE_TAKEOVER_FACTOR = 10
+
+
+def false_takeover(allowed: float, elapsed: float, silent: float) -> bool:
+    """Whether the takeover of an owner that then stored a SUCCESS was false (its deadline too
+    tight), by what the owner did after its last progress.
+
+    ``elapsed`` seconds passed between its last progress and its SUCCESS, ``silent`` of them
+    with its process not running (its heartbeat silent: SIGSTOP, a VM pause), under a deadline
+    of ``allowed`` seconds. An owner that *ran* past its deadline and then finished within
+    ``FALSE_TAKEOVER_FACTOR`` deadlines was slow, not stuck: the deadline was too tight. An
+    owner that did not run past it (it was frozen, or its lease went for another reason: Redis
+    out of reach) lost nothing to the deadline, and a frozen owner's takeover was right, whatever
+    it does once it thaws.
+    """
+    ran = elapsed - silent
+    return allowed < ran <= allowed * FALSE_TAKEOVER_FACTOR
 
 
 @dataclass(eq=False)
@@ -126,17 +144,17 @@ class Attempt:
         assert lease is not None
         lease.mark_lost("fenced: a newer token owns the task")
         if state == states.SUCCESS:
-            # The old owner of a takeover finished after all, soon after its deadline: the
-            # deadline was too tight (counted per stage, so `tune` never cuts that one).
-            allowed, elapsed, _ = lease.no_progress_deadline(time.monotonic())
-            shared = store.read(lease.task_id)
-            if (
-                shared is not None
-                and shared.takeovers > 0
-                and shared.cancelled_at is None
-                and elapsed <= allowed * FALSE_TAKEOVER_FACTOR
-            ):
-                TELEMETRY.metrics.inc("owner_false_takeover_total", stage=lease.stage or "")
+            # The old owner of a takeover finished after all: if it ran on past its deadline
+            # (not frozen), the deadline was too tight (counted per stage and task, so `tune`
+            # never cuts that one).
+            now = time.monotonic()
+            allowed, elapsed, _ = lease.no_progress_deadline(now)
+            heartbeat = self.heartbeat
+            silent = heartbeat.silent_between(now - elapsed, now) if heartbeat is not None else 0.0
+            if false_takeover(allowed, elapsed, silent):
+                shared = store.read(lease.task_id)
+                if shared is not None and shared.takeovers > 0 and shared.cancelled_at is None:
+                    TELEMETRY.metrics.inc("owner_false_takeover_total", stage=lease.stage or "", task=lease.task_name)
         TELEMETRY.metrics.flush(store)
         tracing.write_refused(lease.span, lease.token, state, current)
         events.send_about(app, "task-fenced", lease, current_token=current, state=state)
@@ -148,7 +166,7 @@ def report_the_end(app: Any, lease: OwnedLease, activity: Activity, duration: fl
     the last stage and details if they are news (the task's page then shows where it
     finished, not where the last renewal saw it)."""
     updates, stages, sample_gaps, announce = activity
-    TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps, duration=duration)
+    TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps, duration=duration, task=lease.task_name)
     if announce:
         events.send_about(
             app, "task-progress", lease, version=lease.version, takeovers=lease.takeovers, details=dict(lease.details)

@@ -9,6 +9,19 @@ failing until the lease may have expired, the body is told (the lease is marked 
 The thread holds only weak references to the leases it serves and loops on
 ``Event.wait(interval)``, so stopping it is immediate. On the gevent pool it is a greenlet of
 the tasks' hub (see :mod:`celery_fenced._worker.greenlets` for why).
+
+While it serves leases it wakes every :data:`STOPPING_POLL` seconds between ticks, for two
+things a tick alone would miss:
+
+* the worker began to stop (a warm shutdown: SIGTERM, then often SIGKILL once a grace runs
+  out). Celery tells only the worker's main process, so the heartbeat of every process looks
+  at the worker's shared flag (:attr:`~celery_fenced._worker.process.WorkerProcess.stopping`);
+  from then on each lease whose body reported new details is renewed at once, so the details
+  are in Redis before the worker is killed, and the next owner's ``self.checkpoint`` has them;
+* the process did not run (SIGSTOP, a VM pause): a wake that comes more than a tick interval
+  late marks a *silence*, which :meth:`Heartbeat.silent_between` reports. A takeover during a
+  silence was right, whatever the owner does once it thaws (see
+  :func:`celery_fenced._worker.attempt.false_takeover`).
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import contextlib
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,8 +41,9 @@ from .._lease.store import LeaseStore
 from .._task.owner import EXPIRED_LOCALLY, LOCAL_EXPIRY_MARGIN, OwnedLease
 from .._telemetry.process import TELEMETRY
 from .loop import TickLoop
+from .process import WORKER_PROCESS
 
-__all__ = ["REFUSALS", "Heartbeat", "HeartbeatListener", "take_back", "write_back"]
+__all__ = ["REFUSALS", "SILENCES_KEPT", "STOPPING_POLL", "Heartbeat", "HeartbeatListener", "take_back", "write_back"]
 
 logger = logging.getLogger("celery_fenced.heartbeat")
 
@@ -43,6 +58,13 @@ REFUSALS = {
     "retrying": "the task is retrying",
     "missing": "the lease is gone from Redis",
 }
+
+#: While it serves leases, the heartbeat wakes at least this often (seconds) between ticks:
+#: once the worker is stopping, new details reach Redis within this long.
+STOPPING_POLL = 0.25
+
+#: The most silences (spans in which the heartbeat did not run) a heartbeat keeps.
+SILENCES_KEPT = 64
 
 
 class HeartbeatListener(Protocol):
@@ -94,7 +116,11 @@ class Heartbeat:
         self._leases: dict[str, weakref.ref[OwnedLease]] = {}
         self._loop = TickLoop("celery-fenced-heartbeat", self._step)
         self._store: LeaseStore | None = None
-        self._waiting = default_interval  # the wait under way, seconds
+        self._waiting = default_interval  # the tick interval under way, seconds
+        self._next_tick = 0.0  # when the next tick is due (monotonic clock)
+        self._due: float | None = None  # when the thread is to wake next; None while it runs a step
+        self._silences: deque[tuple[float, float]] = deque(maxlen=SILENCES_KEPT)
+        self._told_stopping = False
         # Leases given up on the local clock while Redis could not be reached, by task id: once
         # it answers, one whose hash vanished meanwhile (a failover that lost writes) is written
         # back for a takeover, or nobody would ever finish its task.
@@ -116,12 +142,18 @@ class Heartbeat:
         """Serve a new lease (starts the thread if needed).
 
         A lease whose heartbeat interval is shorter than the wait under way wakes the
-        thread, which then waits the shorter interval: it is renewed in time.
+        thread, which then ticks and waits the shorter interval: it is renewed in time. The
+        first lease of an idle thread wakes it too, so it looks for the worker's stop from
+        now on (:data:`STOPPING_POLL`).
         """
+        idle = not self._leases
         self.serve(lease)
         if self._loop.thread is None or self._loop.stopping:  # the thread runs until stop()
             self.start()
         elif lease.policy.heartbeat_interval < self._waiting:
+            self._next_tick = self._clock()
+            self._loop.wake()
+        elif idle:
             self._loop.wake()
 
     def serve(self, lease: OwnedLease) -> None:
@@ -153,14 +185,71 @@ class Heartbeat:
         return min(intervals, default=self._default_interval)
 
     def _step(self) -> float:
-        """One tick of the thread; the seconds until the next."""
-        try:
-            self.tick()
-            self._waiting = self._interval()
-        except Exception:  # the thread must never die silently
-            logger.exception("heartbeat tick failed; retrying on the next tick")
-            self._waiting = self._default_interval
-        return self._waiting
+        """One wake of the thread: a tick when one is due, else what the worker's stop asks
+        for; the seconds until the next wake."""
+        now = self._clock()
+        self._note_silence(now)
+        if now >= self._next_tick:
+            try:
+                self.tick()
+                self._waiting = self._interval()
+            except Exception:  # the thread must never die silently
+                logger.exception("heartbeat tick failed; retrying on the next tick")
+                self._waiting = self._default_interval
+            self._next_tick = self._clock() + self._waiting
+        elif WORKER_PROCESS.stopping.is_set():
+            try:
+                self.publish_details()
+            except Exception:
+                logger.exception("publishing the details of a stopping worker failed; retrying")
+        now = self._clock()
+        wait = max(0.0, self._next_tick - now)
+        if self._leases:
+            wait = min(wait, STOPPING_POLL)
+        self._due = now + wait
+        return wait
+
+    def _note_silence(self, now: float) -> None:
+        """The thread woke at ``now``: a wake more than a tick interval late was a silence."""
+        due, self._due = self._due, None
+        if due is not None and now - due > self._waiting:
+            self._silences.append((due, now))
+
+    def silent_between(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` (monotonic clock) in which this process did not run:
+        its heartbeat woke more than a tick interval late (SIGSTOP, a VM pause), or has not
+        woken yet though it is that late at ``end``.
+
+        Only the silences seen by the heartbeat's own thread count: a heartbeat ticked by
+        hand (:meth:`tick`) sees none.
+        """
+        spans = list(self._silences)
+        due = self._due
+        if due is not None and end - due > self._waiting:
+            spans.append((due, end))  # not woken yet: silent until now
+        return sum(max(0.0, min(stop, end) - max(begin, start)) for begin, stop in spans)
+
+    def publish_details(self) -> None:
+        """The worker is stopping: renew at once each lease whose body reported details its
+        last renewal did not publish, so they are in Redis should the worker be killed before
+        the body ends (the next owner resumes from them).
+
+        A lease past its deadline is left to the tick: a stop never renews a stalled lease.
+        """
+        now = self._clock()
+        batch: list[tuple[OwnedLease, bool]] = []
+        for lease in self.leases():
+            if lease.ended or lease.lost_reason is not None or lease.details is lease.published_details:
+                continue
+            allowed, elapsed, _ = lease.no_progress_deadline(now)
+            if elapsed <= allowed:
+                batch.append((lease, False))
+        if not batch:
+            return
+        if not self._told_stopping:
+            self._told_stopping = True
+            logger.info("worker stopping: publishing the latest details of %d running task(s)", len(batch))
+        self._renew(batch)
 
     def tick(self) -> None:
         """One pass over every lease served: check progress, renew or apply ``on_stall``."""
@@ -180,7 +269,7 @@ class Heartbeat:
             activity = lease.take_activity()
             if activity is not None:
                 updates, stages, sample_gaps, _ = activity
-                TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps)
+                TELEMETRY.metrics.count_activity(updates, stages, sample_gaps=sample_gaps, task=lease.task_name)
             renew, stalled = self._check_progress(lease, now)
             if renew:
                 batch.append((lease, stalled))

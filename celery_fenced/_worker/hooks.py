@@ -59,6 +59,7 @@ __all__ = [
     "on_task_received",
     "on_worker_process_init",
     "on_worker_shutdown",
+    "on_worker_shutting_down",
     "quiet_reaper_runs",
     "register_reap_command",
 ]
@@ -86,6 +87,7 @@ class FencedWorkerStep(bootsteps.StartStopStep):
         # this start's id (its liveness record's), under which a child files its hand-offs.
         events.configure(enabled=bool(getattr(parent, "task_events", False)), hostname=parent.hostname)
         WORKER_PROCESS.worker_id = worker_id_of(parent.hostname, os.getpid(), secrets.token_hex(4))
+        WORKER_PROCESS.stopping.clear()  # this start's: shared with the children it forks
         quiet_reaper_runs()
         register_reap_command()
 
@@ -288,6 +290,18 @@ def on_worker_process_init() -> None:
 def on_process_shutdown() -> None:
     """A pool process stops: stop its heartbeat."""
     stop_runtimes()
+
+
+def on_worker_shutting_down() -> None:
+    """The worker's shutdown began (``worker_shutting_down``, in its main process, from its
+    signal handler): tell every heartbeat of the worker, prefork children's included, to
+    publish new details at once (:meth:`~celery_fenced._worker.heartbeat.Heartbeat.publish_details`).
+
+    It only sets a shared byte: a signal handler may have interrupted any code, so it takes
+    no lock and wakes no thread (each heartbeat looks at the flag within
+    :data:`~celery_fenced._worker.heartbeat.STOPPING_POLL`).
+    """
+    WORKER_PROCESS.stopping.set()
 
 
 def on_worker_shutdown() -> None:

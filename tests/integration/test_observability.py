@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from celery_fenced.harness import free_port
-from tests.integration.conftest import KEYS, Cluster, lease, stored, zombie_scenario
+from tests.integration.conftest import APP, KEYS, Cluster, lease, stored, zombie_scenario
 from tests.support.processes import CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -71,20 +71,24 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
 
     def load_data_samples() -> int:  # each worker adds its samples at its next heartbeat tick
         counts = cluster.results.hgetall(KEYS.gaps)
-        return sum(int(count) for field, count in counts.items() if field.startswith(b"load-data|"))
+        return sum(
+            int(count) for field, count in counts.items() if field.startswith(f"{APP}.steady|load-data|".encode())
+        )
 
     wait_until(lambda: load_data_samples() >= 3, 10, "the third run's gap sample to be flushed")
     tune = cluster.cli("tune", "--floor", "0.1", "--factor", "2", "--min-samples", "3")
     assert tune.returncode == 0, tune.stderr
-    header, row = tune.stdout.splitlines()[0], next(r for r in tune.stdout.splitlines() if r.startswith("load-data"))
-    assert "SAMPLES" in header and "P99 GAP" in header and "SUGGESTED" in header
-    assert row.split()[1] == "3", row  # three runs, one visit of the stage each
-    gap = float(row.split()[2].rstrip("s"))
+    lines = tune.stdout.splitlines()
+    header, row = lines[0], next(r for r in lines if r.split()[:2] == [f"{APP}.steady", "load-data"])
+    assert "TASK" in header and "SAMPLES" in header and "P99 GAP" in header and "SUGGESTED" in header
+    assert row.split()[2] == "3", row  # three runs, one visit of the stage each
+    assert row.split()[6] == "2s", row  # CURRENT: the app's table, as the task has none
+    gap = float(row.split()[3].rstrip("s"))
     assert 0.3 <= gap < 0.6, row  # the longest gap between progress calls, not the 1.5 s in the stage
     suggested = json.loads(tune.stdout.strip().splitlines()[-1].split("=", 1)[1])
     assert suggested["load-data"] == pytest.approx(2 * gap, abs=0.1)
     few = cluster.cli("tune", "--min-samples", "30")
-    assert "warning: stage 'load-data' has 3 sample(s), fewer than 30: no suggestion" in few.stderr
+    assert f"warning: stage 'load-data' of {APP}.steady has 3 sample(s), fewer than 30: no suggestion" in few.stderr
     assert few.stdout.strip().splitlines()[-1].startswith("no suggestion: no stage has enough samples yet")
 
 
@@ -114,9 +118,10 @@ def test_metrics_are_cluster_wide_and_show_what_happened(cluster: Cluster) -> No
     assert value(text, 'owner_takeover_total{cause="stalled"}') == 1
     assert value(text, 'owner_takeover_total{cause="gone"}') == 0
     assert value(text, "owner_fencing_rejected_total") == 1
-    assert value(text, 'owner_false_takeover_total{stage="load-data"}') == 1
+    # The stalled owner ran on past its deadline, then finished: a false takeover.
+    assert value(text, f'owner_false_takeover_total{{stage="load-data",task="{APP}.zombie_once"}}') == 1
     tune = cluster.cli("tune", "--floor", "0.1", "--min-samples", "1")
-    row = next(r for r in tune.stdout.splitlines() if r.startswith("load-data"))
+    row = next(r for r in tune.stdout.splitlines() if r.split()[:2] == [f"{APP}.zombie_once", "load-data"])
     assert "not cut: false takeovers" in row, tune.stdout
     suggested = json.loads(tune.stdout.strip().splitlines()[-1].split("=", 1)[1])
     assert suggested["load-data"] >= 2.0  # the stage's deadline: its quick second run does not cut it

@@ -6,6 +6,7 @@ Every command runs as a user runs it (``celery -A app …`` in its own process).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -156,3 +157,36 @@ def test_beat_reaps_every_tick_in_its_own_process_without_an_info_line_for_each(
     assert "beat: Starting" in log
     assert "Sending due task celery_fenced.reap" not in log, log
     broker.close()
+
+
+def metric_fields(cluster: Cluster) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in cluster.results.hgetall(KEYS.metrics).items()}
+
+
+def test_a_frozen_owners_late_success_is_no_false_takeover_and_tune_shows_the_tasks_own_deadline(
+    cluster: Cluster,
+) -> None:
+    """SIGSTOP, then SIGCONT once another worker finished the task: the thawed owner stores
+    its SUCCESS, refused. It did nothing between its last progress and its thaw (its heartbeat
+    was silent), so the takeover was right: not a false one, whatever it did after."""
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    result = app.long_call.delay()
+    wait_until(lambda: cluster.record.llen(f"waiting:{result.id}") == 1, 20, "the first owner to wait")
+    cluster.worker("w2", concurrency=1)
+    w1.signal_group(signal.SIGSTOP)  # heartbeat and body frozen together
+    try:
+        runs = cluster.wait_runs(result.id, 2, timeout=30)  # taken over once its lease expired
+        assert result.get(timeout=20) == f"owner {runs[1]['token']}"
+        cluster.wake(result.id)  # the first body returns as soon as it runs again
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    wait_until(lambda: "stale write dropped" in w1.log(), 15, "the thawed owner's SUCCESS to be refused")
+    # Its refused write is counted, and flushed, with the false takeover it would be.
+    wait_until(lambda: metric_fields(cluster).get("owner_fencing_rejected_total|"), 15, "the refusal to be counted")
+    assert not [field for field in metric_fields(cluster) if field.startswith("owner_false_takeover_total")]
+    tune = cluster.cli("tune", "--min-samples", "1")
+    assert tune.returncode == 0, tune.stderr
+    row = next(r for r in tune.stdout.splitlines() if r.split()[:2] == [f"{APP}.long_call", "call-api"]).split()
+    assert row[5] == "0", tune.stdout  # FALSE TAKEOVERS
+    assert row[6] == "120s", tune.stdout  # CURRENT: the task's own deadline, not the app's 2 s default

@@ -122,9 +122,11 @@ def test_a_countdown_task_held_by_a_worker_whose_connection_drops(own_cluster: C
 
 def test_an_idle_worker_starts_what_a_busy_one_holds(cluster: Cluster) -> None:
     app = cluster.app()
-    settings = dict(PREFETCH, fenced_start_timeout=2)
+    # The start timeout leaves the status command (a process of its own, Celery imported) time
+    # to list the reservations before the reaper sends them again, on a busy machine too.
+    settings = dict(PREFETCH, fenced_start_timeout=5)
     cluster.worker("w1", concurrency=1, **settings)
-    long = app.steady.delay(60, 0.25)  # 15 s, progressing
+    long = app.steady.delay(80, 0.25)  # 20 s, progressing
     cluster.wait_runs(long.id, 1)
     short = [app.steady.delay(1, 0.05) for _ in range(3)]
     received_by(cluster, [r.id for r in short], 3)
@@ -133,7 +135,7 @@ def test_an_idle_worker_starts_what_a_busy_one_holds(cluster: Cluster) -> None:
         row = next(line for line in listed.splitlines() if line.startswith(r.id))
         assert "RESERVED" in row and "w1@" in row and "(received)" in row
     cluster.worker("w2", concurrency=1, **settings)
-    finished_once(cluster, [r.id for r in short], 12)
+    finished_once(cluster, [r.id for r in short], 20)
     assert (stored(cluster, long.id) or {}).get("status") == "STARTED"  # the busy worker still runs its long task
     assert all(cluster.runs(r.id)[0]["hostname"].startswith("w2@") for r in short)
     assert all(len(cluster.runs(r.id)) == 1 for r in short)

@@ -6,6 +6,7 @@ running bodies end, and their leases are renewed until they do.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from tests.integration.apps.fenced_app import SLOW_HEARTBEAT
 from tests.integration.conftest import APP, ROOT, Cluster, lease
 from tests.support.processes import wait_until
 
@@ -58,3 +60,31 @@ def test_a_warm_shutdown_renews_the_leases_of_the_bodies_it_waits_for(cluster: C
     wait_until(lambda: stopping.proc.poll() is not None, 20, "the worker to exit")
     assert len(cluster.runs(result.id)) == 1, cluster.runs(result.id)
     assert lease(cluster, result.id)["status"] == "DONE"
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_a_warm_shutdown_publishes_the_latest_details_before_the_worker_is_killed(cluster: Cluster, pool: str) -> None:
+    """A rolling restart: SIGTERM, then SIGKILL once the grace runs out. The body reported its
+    batches far faster than its heartbeat renews (docs/resuming.rst): the stop publishes them,
+    so the next owner resumes after the last one instead of from an older checkpoint."""
+    app = cluster.app()
+    stopping = cluster.worker("w1", pool=pool, concurrency=1)
+    result = app.reported_then_busy.delay(7)
+    [first] = cluster.wait_runs(result.id, 1)
+    wait_until(lambda: cluster.record.llen(f"reported:{result.id}") == 7, 10, "seven batches reported")
+    assert json.loads(lease(cluster, result.id).get("details") or "{}").get("done") != 7  # not renewed since
+    os.kill(stopping.pid, signal.SIGTERM)  # the main process only, as a container runtime sends it
+    # Well within the grace, and long before the next renewal (SLOW_HEARTBEAT): the stop publishes.
+    wait_until(
+        lambda: json.loads(lease(cluster, result.id).get("details") or "{}") == {"done": 7},
+        SLOW_HEARTBEAT / 2,
+        "the stopping worker to publish the last details",
+    )
+    assert stopping.proc.poll() is None  # still waiting for its body
+    stopping.signal_group(signal.SIGKILL)  # the grace ran out
+    wait_until(lambda: stopping.proc.poll() is not None, 10, "the worker to die")
+    cluster.worker("w2", pool=pool, concurrency=1)
+    # Taken over once the lease TTL from its last renewal runs out, at the next reaper pass.
+    runs = cluster.wait_runs(result.id, 2, timeout=2 * SLOW_HEARTBEAT + 1 + 20)
+    assert runs[1]["checkpoint"] == ["process", {"done": 7}, 1, first["token"]]
+    assert result.get(timeout=10) == "resumed after batch 7"

@@ -449,6 +449,51 @@ def batches(self: Any, total: int, stall_after: int = 0, pause: float = 0.0) -> 
     return f"{total} batches by {self.fencing_token}"
 
 
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False, stage_timeouts={"call-api": 120})
+def long_call(self: Any) -> str:
+    """Its own deadline (120 s, not the app's): the first attempt reports ``call-api``, then
+    waits for ``wake:<task id>`` without progress, well within that deadline, and returns."""
+    note_run(self)
+    self.progress("call-api")
+    if attempt_number(self) == 1:
+        record().rpush(f"waiting:{self.request.id}", os.getpid())
+        wait_for_key(f"wake:{self.request.id}", 60)
+        return "the first owner"
+    return f"owner {self.fencing_token}"
+
+
+#: ``reported_then_busy``'s heartbeat interval: long enough that no renewal comes between its
+#: reports and a test's kill, unless the worker's stop sends one.
+SLOW_HEARTBEAT = 8
+
+
+@app.task(
+    bind=True,
+    base=ProgressLeasedTask,
+    heartbeat_interval=SLOW_HEARTBEAT,
+    lease_ttl=2 * SLOW_HEARTBEAT + 1,
+    stage_timeouts={"process": 120},
+)
+def reported_then_busy(self: Any, total: int) -> str:
+    """Reports batches 1 .. ``total`` at once (far faster than its heartbeat), each recorded
+    under ``reported:<task id>``, then, on its first attempt, works on without reporting until
+    woken (or killed). A later attempt returns where its checkpoint says it resumes."""
+    checkpoint = self.checkpoint
+    seen = (
+        None
+        if checkpoint is None
+        else [checkpoint.stage, dict(checkpoint.details), checkpoint.attempt, checkpoint.token]
+    )
+    note_run(self, checkpoint=seen)
+    if checkpoint is not None:
+        return f"resumed after batch {checkpoint.details.get('done', 0)}"
+    for batch in range(1, total + 1):
+        self.progress("process", done=batch)
+        record().rpush(f"reported:{self.request.id}", batch)
+    wait_for_key(f"wake:{self.request.id}", 120)
+    return "finished where it started"
+
+
 @app.task(bind=True, base=ProgressLeasedTask)
 def retried_from_checkpoint(self: Any) -> str:
     """Reports a page, then retries once; the retry records the checkpoint it was given."""

@@ -111,26 +111,64 @@ def test_without_an_app_or_with_another_backend_it_says_so_in_one_line() -> None
     assert "Traceback" not in other.output
 
 
+def tune_rows(output: str) -> dict[tuple[str, str], list[str]]:
+    """The table's rows, by (task, stage)."""
+    lines = output.splitlines()
+    return {(line.split()[0], line.split()[1]): line.split() for line in lines[1:] if line[:1].isalpha()}
+
+
 def test_tune_suggests_only_what_it_has_samples_for_and_keeps_every_other_deadline(fenced_app: Celery) -> None:
     fenced_app.conf.fenced_stage_timeouts = {"load-data": 5, "persist": 30, "call-ai": 20}
     store = fenced_app.backend.lease_store
-    store.metrics.add_gaps({f"load-data|{gap_bucket(0.5)}": 40, f"call-ai|{gap_bucket(1.0)}": 2}, max_fields=1000)
-    store.metrics.add_metrics({"owner_false_takeover_total|stage=call-ai": 1}, max_fields=1000)
+    samples = {f"proj.report|load-data|{gap_bucket(0.5)}": 40, f"proj.report|call-ai|{gap_bucket(1.0)}": 2}
+    store.metrics.add_gaps(samples, max_fields=1000)
+    store.metrics.add_metrics({"owner_false_takeover_total|stage=call-ai,task=proj.report": 1}, max_fields=1000)
     tuned = run(fenced_app, "tune", "--floor", "0.1", "--factor", "2")
     assert tuned.exit_code == 0, tuned.output
-    rows = {line.split()[0]: line.split() for line in tuned.stdout.splitlines()[1:] if line[:1].isalpha()}
-    assert rows["call-ai"][6] == "-", "two samples are no evidence for a value"
-    assert rows["load-data"][6] == "1s"
-    assert "warning: stage 'call-ai' has 2 sample(s), fewer than 30: no suggestion" in tuned.stderr
+    rows = tune_rows(tuned.stdout)
+    assert rows["proj.report", "call-ai"][7] == "-", "two samples are no evidence for a value"
+    assert rows["proj.report", "call-ai"][5] == "1"  # its false takeover
+    assert rows["proj.report", "load-data"][7] == "1s"
+    assert "warning: stage 'call-ai' of proj.report has 2 sample(s), fewer than 30: no suggestion" in tuned.stderr
     table = json.loads(tuned.stdout.strip().splitlines()[-1].split("=", 1)[1])
     assert table == {"call-ai": 20, "load-data": 1.0, "persist": 30}  # pasted, it removes no deadline
 
 
-def test_tune_with_too_few_samples_prints_no_table(fenced_app: Celery) -> None:
-    fenced_app.backend.lease_store.metrics.add_gaps({f"load-data|{gap_bucket(0.5)}": 3}, max_fields=1000)
-    tuned = run(fenced_app, "tune")
-    assert "fenced_stage_timeouts" not in tuned.stdout.replace("keep your fenced_stage_timeouts", "")
-    assert tuned.stdout.strip().splitlines()[-1].startswith("no suggestion: no stage has enough samples yet")
+def test_tune_shows_the_deadline_each_task_runs_under_and_suggests_into_the_table_that_sets_it(
+    fenced_app: Celery,
+) -> None:
+    from celery_fenced import ProgressLeasedTask
+
+    fenced_app.conf.fenced_default_stage_timeout = 5  # the app-wide default
+    fenced_app.conf.fenced_stage_timeouts = {"persist": 30}
+
+    @fenced_app.task(base=ProgressLeasedTask, shared=False, name="proj.slow_api", stage_timeouts={"call-api": 120})
+    def slow_api() -> None: ...
+
+    @fenced_app.task(base=ProgressLeasedTask, shared=False, name="proj.quick")
+    def quick() -> None: ...
+
+    store = fenced_app.backend.lease_store
+    samples = {
+        f"proj.slow_api|call-api|{gap_bucket(20.0)}": 40,
+        f"proj.quick|call-api|{gap_bucket(0.5)}": 40,
+        f"proj.gone|call-api|{gap_bucket(0.5)}": 40,  # a task this app does not define
+    }
+    store.metrics.add_gaps(samples, max_fields=1000)
+    tuned = run(fenced_app, "tune", "--floor", "0.1", "--factor", "2")
+    assert tuned.exit_code == 0, tuned.output
+    rows = tune_rows(tuned.stdout)
+    assert rows["proj.slow_api", "call-api"][6] == "120s"  # its own stage_timeouts, not the app's 5 s
+    assert "own stage_timeouts" in " ".join(rows["proj.slow_api", "call-api"])
+    assert rows["proj.quick", "call-api"][6] == "5s"  # the app's default
+    assert rows["proj.gone", "call-api"][6] == "5s" and "not defined in this app" in " ".join(
+        rows["proj.gone", "call-api"]
+    )
+    *_, own, shared = tuned.stdout.strip().splitlines()
+    task, _, table = own.partition(": stage_timeouts = ")
+    assert task == "proj.slow_api"
+    assert json.loads(table) == {"call-api": pytest.approx(2 * 20.0, rel=0.02)}  # its own table's line
+    assert json.loads(shared.split("=", 1)[1]) == {"call-api": 1.0, "persist": 30}
 
 
 def test_status_lists_finished_leases_by_state(fenced_app: Celery) -> None:

@@ -35,14 +35,17 @@ def store(redis_client: redis.Redis) -> LeaseStore:
 SAMPLES = 20_000
 
 
+TASK = "proj.report"
+
+
 def stored_samples(store: LeaseStore, stage: str, values: list[float]) -> dict[int, int]:
     """Flush ``values`` as gap samples of ``stage`` the way workers do, and read them back."""
     for start in range(0, len(values), 2500):  # several processes, several flushes
         buffer = MetricsBuffer()
         for value in values[start : start + 2500]:
-            buffer.sample_gap(stage, value)
+            buffer.sample_gap(stage, value, task=TASK)
         buffer.flush(store)
-    return read_gaps(store)[stage]
+    return read_gaps(store)[TASK, stage]
 
 
 # Exact 99th percentiles: uniform(0, 2), lognormal(0, 0.5), exponential(mean 1).
@@ -60,7 +63,8 @@ def test_suggestions_follow_known_distributions_within_ten_percent(store: LeaseS
     rng = random.Random(7)
     histogram = stored_samples(store, "call-ai", [draw(rng) for _ in range(SAMPLES)])
     assert len(histogram) < 1000  # buckets, not samples: bounded whatever the count
-    [suggestion] = suggest({"call-ai": histogram}, {}, {"call-ai": 60.0}, floor=FLOOR, factor=FACTOR)
+    key = (TASK, "call-ai")
+    [suggestion] = suggest({key: histogram}, {}, {key: 60.0}, floor=FLOOR, factor=FACTOR)
     assert suggestion.samples == SAMPLES and suggestion.enough
     assert suggestion.gap_quantile == pytest.approx(p99, rel=0.10)
     assert suggestion.suggested == pytest.approx(p99 * FACTOR, rel=0.10)
@@ -70,9 +74,23 @@ def test_new_stages_past_the_bound_are_counted_under_other(store: LeaseStore, mo
     monkeypatch.setattr(metrics, "MAX_GAP_FIELDS", 2)
     for stage in ("a", "b", "c", "a"):
         buffer = MetricsBuffer()
-        buffer.sample_gap(stage, 1.0)
+        buffer.sample_gap(stage, 1.0, task=TASK)
         buffer.flush(store)
-    assert read_gaps(store) == {"a": {gap_bucket(1.0): 2}, "b": {gap_bucket(1.0): 1}, "other": {gap_bucket(1.0): 1}}
+    one = {gap_bucket(1.0): 1}
+    assert read_gaps(store) == {(TASK, "a"): {gap_bucket(1.0): 2}, (TASK, "b"): one, (TASK, "other"): one}
+
+
+def test_samples_are_kept_per_task_and_older_ones_that_name_none_still_read(store: LeaseStore) -> None:
+    buffer = MetricsBuffer()
+    buffer.sample_gap("call-ai", 1.0, task="proj.a")
+    buffer.sample_gap("call-ai", 2.0, task="proj.b")
+    buffer.flush(store)
+    store.metrics.add_gaps({f"call-ai|{gap_bucket(3.0)}": 4}, max_fields=1000)  # counted before samples named tasks
+    assert read_gaps(store) == {
+        ("proj.a", "call-ai"): {gap_bucket(1.0): 1},
+        ("proj.b", "call-ai"): {gap_bucket(2.0): 1},
+        ("", "call-ai"): {gap_bucket(3.0): 4},
+    }
 
 
 def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_stage(
@@ -95,7 +113,7 @@ def test_a_sample_is_the_longest_gap_between_progress_calls_not_the_time_in_the_
     assert activity is not None
     report_the_end(None, lease, activity)
     gaps = buffer.take_gaps()
-    assert gaps == {"load-data": {gap_bucket(4.0): 1}, "call-ai": {gap_bucket(3.0): 1}}
+    assert gaps == {("proj.task", "load-data"): {gap_bucket(4.0): 1}, ("proj.task", "call-ai"): {gap_bucket(3.0): 1}}
     deltas = buffer.take()
     assert deltas["owner_stage_duration_seconds|stage=load-data|sum"] == pytest.approx(8.5)
 
@@ -114,20 +132,21 @@ def test_a_lost_owner_gives_no_sample_of_its_stall(monkeypatch: pytest.MonkeyPat
 
 
 def test_false_takeovers_forbid_a_cut() -> None:
-    gaps = {"load-data": {gap_bucket(0.2): 100}, "call-ai": {gap_bucket(0.2): 100}}
-    current = {"load-data": 4.0, "call-ai": 4.0}
-    by_stage = {s.stage: s for s in suggest(gaps, {"load-data": 1}, current, floor=1.0, factor=FACTOR)}
+    load, call = (TASK, "load-data"), (TASK, "call-ai")
+    gaps = {load: {gap_bucket(0.2): 100}, call: {gap_bucket(0.2): 100}}
+    current = {load: 4.0, call: 4.0}
+    by_stage = {s.stage: s for s in suggest(gaps, {load: 1}, current, floor=1.0, factor=FACTOR)}
     assert by_stage["call-ai"].suggested == 1.0  # cut to the floor: nothing says it was too tight
     assert by_stage["load-data"].suggested == 4.0 and by_stage["load-data"].false_takeovers == 1
     assert "not cut" in by_stage["load-data"].note
-    [only_false] = suggest({}, {"persist": 2}, {"persist": 5.0}, floor=1.0, factor=FACTOR)
+    persist = (TASK, "persist")
+    [only_false] = suggest({}, {persist: 2}, {persist: 5.0}, floor=1.0, factor=FACTOR)
     assert only_false.suggested == 5.0 and only_false.samples == 0
 
 
 def test_few_samples_are_said_so() -> None:
-    [one] = suggest(
-        {"load-data": {gap_bucket(0.5): 1}}, {}, {"load-data": 60.0}, floor=FLOOR, factor=FACTOR, min_samples=30
-    )
+    key = (TASK, "load-data")
+    [one] = suggest({key: {gap_bucket(0.5): 1}}, {}, {key: 60.0}, floor=FLOOR, factor=FACTOR, min_samples=30)
     assert one.samples == 1 and not one.enough and one.note == "only 1 sample(s)"
 
 

@@ -18,7 +18,16 @@ from celery_fenced._task.owner import OwnedLease
 from celery_fenced._task.running import ATTEMPT_ATTRIBUTE, began
 from celery_fenced._telemetry.metrics import MetricsBuffer
 from celery_fenced._telemetry.process import TELEMETRY
-from celery_fenced._worker.attempt import Attempt, attempt_of, begin, fence_for, overtaken_by_its_retry, skip
+from celery_fenced._worker.attempt import (
+    Attempt,
+    attempt_of,
+    begin,
+    false_takeover,
+    fence_for,
+    overtaken_by_its_retry,
+    skip,
+)
+from celery_fenced._worker.heartbeat import Heartbeat
 from celery_fenced.conf import FencedConfig, ensure_conf
 
 OWNER = "host/1/a"
@@ -108,6 +117,7 @@ def test_a_stale_success_soon_after_a_takeover_loses_the_lease_and_is_a_false_ta
 ) -> None:
     lease = held(store)
     lease.progress("call-ai")
+    lease.body.last_progress = time.monotonic() - 8  # it ran on 8 s past its last progress (5 s deadline)
     store.lapse("t1", OWNER, lease.token, mode="release")
     assert store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
     attempt = Attempt(lease=lease)
@@ -116,7 +126,55 @@ def test_a_stale_success_soon_after_a_takeover_loses_the_lease_and_is_a_false_ta
     )
     assert lease.lost_reason == "fenced: a newer token owns the task"
     counted = dict(store.metrics.metric_fields())  # flushed with the loss
-    assert counted["owner_false_takeover_total|stage=call-ai"] == 1
+    assert counted["owner_false_takeover_total|stage=call-ai,task=proj.task"] == 1
+
+
+def test_a_takeover_is_false_only_when_the_owner_ran_on_past_its_deadline() -> None:
+    # (deadline, seconds from its last progress to its SUCCESS, of them with the process silent)
+    assert false_takeover(5, 8, 0)  # it ran 8 s on a 5 s deadline, then finished: too tight
+    assert false_takeover(120, 200, 30)  # 170 s of work on a 120 s deadline, a pause besides
+    assert not false_takeover(120, 40, 35)  # frozen (SIGSTOP) 35 s: its lease expired, rightly
+    assert not false_takeover(5, 48, 45)  # frozen past its deadline: the takeover was right
+    assert not false_takeover(5, 3, 0)  # lost within its deadline (Redis out of reach): not the deadline
+    assert not false_takeover(5, 60, 0)  # 12 deadlines: stuck, not slow
+
+
+class FrozenFor:
+    """A heartbeat whose process did not run for the last ``seconds`` (SIGSTOP, then SIGCONT)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def silent_between(self, start: float, end: float) -> float:
+        return max(0.0, min(self.seconds, end - start))
+
+
+def test_a_frozen_owners_late_success_is_no_false_takeover(
+    store: LeaseStore, buffer: MetricsBuffer, app: Celery
+) -> None:
+    lease = held(store)
+    lease.progress("call-ai")
+    lease.body.last_progress = time.monotonic() - 40  # 40 s without progress, 38 s of them frozen
+    store.lapse("t1", OWNER, lease.token, mode="release")
+    assert store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
+    attempt = Attempt(lease=lease, heartbeat=FrozenFor(38))  # type: ignore[arg-type]
+    attempt.result_written(store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, "99")))
+    assert lease.lost_reason is not None
+    assert not any(field.startswith("owner_false_takeover_total") for field in store.metrics.metric_fields())
+
+
+def test_a_slow_owner_whose_heartbeat_never_fell_silent_is_a_false_takeover(
+    store: LeaseStore, buffer: MetricsBuffer, app: Celery
+) -> None:
+    lease = held(store)
+    lease.progress("call-ai")
+    lease.body.last_progress = time.monotonic() - 40  # 40 s on a 5 s deadline: 8 deadlines
+    store.lapse("t1", OWNER, lease.token, mode="release")
+    assert store.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
+    beat = Heartbeat(store_factory=lambda: store, listener=None, default_interval=5)  # type: ignore[arg-type]
+    attempt = Attempt(lease=lease, heartbeat=beat)
+    attempt.result_written(store, app, written(attempt, "SUCCESS", StoreResult(StoreOutcome.STALE, "99")))
+    assert dict(store.metrics.metric_fields())["owner_false_takeover_total|stage=call-ai,task=proj.task"] == 1
 
 
 def test_a_stale_success_long_after_its_deadline_is_no_false_takeover(

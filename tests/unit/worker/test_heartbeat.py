@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ from redis.retry import Retry
 from celery_fenced._lease.keys import KeySpace
 from celery_fenced._lease.store import LeaseStore
 from celery_fenced._task.owner import EXPIRED_LOCALLY, OwnedLease
-from celery_fenced._worker.heartbeat import Heartbeat
+from celery_fenced._worker.heartbeat import STOPPING_POLL, Heartbeat
+from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced.conf import FencedConfig
 
 OWNER = "host/1/a"
@@ -334,3 +336,79 @@ def test_a_lease_given_up_while_redis_was_unreachable_is_written_back_once_it_an
     assert listener.releases == (["t1"] if vanished else [])  # looked at once
     store.close()
     client.close()
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stopping_worker_publishes_new_details_at_once_not_at_the_next_tick(store: LeaseStore) -> None:
+    clock = Clock(time.monotonic())
+    lease = owned(store, "t1")
+    beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60, clock=clock)
+    beat.serve(lease)
+    try:
+        assert beat._step() == STOPPING_POLL  # the first tick; it looks again for a stop soon
+        lease.progress("process", {"done": 7})  # faster than the heartbeat renews
+        clock.now += 1
+        beat._step()  # no tick due, the worker not stopping: nothing written
+        state = store.read("t1")
+        assert state is not None and state.details == {}
+        WORKER_PROCESS.stopping.set()  # SIGTERM: the main process sets it for every process
+        clock.now += STOPPING_POLL
+        beat._step()
+        state = store.read("t1")
+        assert state is not None and state.details == {"done": 7}
+        lease.progress("process", {"done": 8})  # reported while the warm shutdown waits
+        clock.now += STOPPING_POLL
+        beat._step()
+        state = store.read("t1")
+        assert state is not None and state.details == {"done": 8}
+    finally:
+        WORKER_PROCESS.stopping.clear()
+
+
+def test_a_stopping_worker_does_not_renew_a_stalled_lease(store: LeaseStore) -> None:
+    clock = Clock(time.monotonic())
+    lease = owned(store, "t1")
+    beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=60, clock=clock)
+    beat.serve(lease)
+    beat._step()
+    lease.body.details = {"done": 1}
+    lease.body.last_progress = clock.now - 1000  # far past its deadline
+    WORKER_PROCESS.stopping.set()
+    try:
+        clock.now += STOPPING_POLL
+        beat._step()
+        state = store.read("t1")
+        assert state is not None and state.details == {}
+    finally:
+        WORKER_PROCESS.stopping.clear()
+
+
+def test_a_late_wake_is_a_silence_of_the_process(store: LeaseStore) -> None:
+    clock = Clock(1000.0)
+    lease = owned(store, "t1")
+    beat = Heartbeat(store_factory=lambda: store, listener=RecordingListener(), default_interval=5, clock=clock)
+    beat.serve(lease)
+    wait = beat._step()
+    clock.now += wait  # on time: no silence
+    wait = beat._step()
+    assert beat.silent_between(990.0, clock.now) == 0.0
+    due = clock.now + wait
+    clock.now = due + 40  # SIGSTOP for 40 s, then SIGCONT: not woken yet
+    assert beat.silent_between(990.0, clock.now) == pytest.approx(40.0)
+    assert beat.silent_between(due + 30, clock.now) == pytest.approx(10.0)  # only what overlaps
+    beat._step()  # woken: the silence is kept
+    assert beat._due is not None
+    clock.now = beat._due + 4  # a thread late by less than a tick interval (5 s): no silence
+    assert beat.silent_between(990.0, clock.now) == pytest.approx(40.0)
+    assert beat.silent_between(due + 40, clock.now) == 0.0
+    beat._step()
+    assert beat.silent_between(990.0, clock.now) == pytest.approx(40.0)

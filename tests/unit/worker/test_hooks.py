@@ -67,3 +67,20 @@ def test_prerun_of_a_task_whose_options_cannot_work_makes_the_body_raise(fenced_
         assert "on_stall" in str(attempt.error)  # type: ignore[union-attr]
     finally:
         report.pop_request()
+
+
+def test_the_start_of_a_shutdown_tells_every_heartbeat_of_the_worker(fenced_app: Celery) -> None:
+    from celery import signals
+
+    from celery_fenced._worker.process import WORKER_PROCESS
+
+    @fenced_app.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def report(self: Any) -> None: ...
+
+    try:
+        assert not WORKER_PROCESS.stopping.is_set()
+        # Sent by Celery's SIGTERM handler in the worker's main process.
+        signals.worker_shutting_down.send(sender="w1@host", sig="SIGTERM", how="Warm", exitcode=0)
+        assert WORKER_PROCESS.stopping.is_set()
+    finally:
+        WORKER_PROCESS.stopping.clear()

@@ -16,7 +16,7 @@ from celery.app.trace import build_tracer
 
 from celery_fenced import ProgressLeasedTask
 from celery_fenced._lease.state import StoreResult
-from celery_fenced._task.running import current_lease
+from celery_fenced._task.running import current_lease, set_current_lease
 from celery_fenced._worker import hooks
 from celery_fenced._worker.lifecycle import heartbeat_for, stop_heartbeats
 from celery_fenced._worker.runtime import runtime_of
@@ -69,6 +69,7 @@ def traced(fenced_app: Celery) -> Iterator[Celery]:
     """The unit app, its fenced tasks run by Celery's tracer in this thread (prerun, body,
     result writes, postrun); the process's heartbeat stopped after the test."""
     yield fenced_app
+    set_current_lease(None)  # an attempt a test began and did not end is not the next test's
     runtime = runtime_of(fenced_app, create=False)
     if runtime is not None:
         runtime.stop()

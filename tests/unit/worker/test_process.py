@@ -36,3 +36,22 @@ def test_after_a_fork_what_was_the_parents_is_forgotten_and_the_rest_kept() -> N
     assert process.pool_kind == "prefork"  # a prefork child runs on its parent's pool
     assert process.interrupt_handler_installed  # a fork inherits the signal handler
     assert process.attempt_ids is attempt_ids  # they redraw themselves in the child
+
+
+def test_the_stopping_flag_set_in_the_parent_is_seen_by_a_child_forked_before() -> None:
+    process = WorkerProcess()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: waits for the parent to set it, then says what it sees
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0 if process.stopping.is_set() else 1)
+    os.close(read)
+    assert not process.stopping.is_set()
+    process.stopping.set()  # a worker's main process, at worker_shutting_down
+    os.write(write, b"x")
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child did not see the flag its parent set"
+    process.stopping.clear()
+    assert not process.stopping.is_set()

@@ -91,7 +91,7 @@ TASK_IDS = ("t1", "t2")
 WORKERS = ("wa/1/start", "wb/1/start")
 
 #: ``max_takeovers`` of every delivery: small, so that abandons happen.
-MAX_TAKEOVERS = 2
+MAX_TAKEOVERS = 1
 
 # The lease statuses the model tells apart (HANDED_OFF: a hand-off finished, its record kept).
 NONE = "NONE"
@@ -366,7 +366,7 @@ class ProtocolModel:
         process = f"{worker.split('/')[0]}/{1000 + n}/"  # its own pid on its worker's host
         task = self.task(task_id)
         header = self.handed_off_by(task_id, message)
-        owner = Owner(task_id, f"{process}a{n}", process, message, task.publish_of(message), header, worker)
+        owner = Owner(task_id, f"{process}a{n}", process, message, task.publish_of(message), header, worker=worker)
         self.owners.append(owner)
         return owner
 
@@ -439,6 +439,17 @@ class ProtocolModel:
         else:
             if may:
                 self.violated("model-mismatch", f"{owner!r}, the live owner, was refused a renewal: {code}")
+            elif task.status == DONE:
+                # Ended by a cancel, by this owner, or by a newer one (its lease lives on in the
+                # result, or as a tombstone): each its own answer.
+                if task.cancelled:
+                    expected = {"cancelled"}
+                elif owner.token == task.fence:
+                    expected = {"missing", "finished"}
+                else:
+                    expected = {"missing", "stale-token"}
+                if code not in expected:
+                    self.violated("model-mismatch", f"{owner!r} renewal of a DONE task answered {code}, expected {expected}")
             if code != "missing":  # a missing lease: the heartbeat puts it back (restore)
                 owner.believes_live = False
 
@@ -545,6 +556,11 @@ class ProtocolModel:
                 return self.violated("write-after-handoff", where)
         elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
             self.violated("model-mismatch", f"{where}: the current owner's write was refused")
+        elif task.status in FINAL and owner.token < task.fence and code != "stale":
+            # A newer token ended it (its result's fence, its tombstone): an older owner's
+            # write is stale, which the owner reads as taken over ("missing" would make it
+            # write its lease back first).
+            self.violated("model-mismatch", f"{where}: expected stale (a newer token finished it)")
         if code == "sticky" and state in READY and self.current(owner):
             # A SUCCESS already stored is kept (Celery's rule); the run's lease still ends.
             task.status, task.holder, task.ended_by, task.done_publish = DONE, None, None, owner.message
@@ -571,6 +587,8 @@ class ProtocolModel:
         if task.status in FINAL:
             if code == "stored":
                 self.violated("write-after-forget" if task.forgotten else "write-after-final", where)
+            elif code != "finished":
+                self.violated("model-mismatch", f"{where}: expected finished")
             return
         if task.status == HANDED_OFF:
             # Only the replacement's own message may write without a token (a replacement
@@ -923,7 +941,9 @@ class ProtocolModel:
                 )
         if result != truth.seen_result:
             fence = fence_token_of(result)
-            writer = next((owner for owner in self.owners if owner.task_id == task_id and owner.token == fence), None)
+            writer = next(
+                (owner for owner in self.owners if fence and owner.task_id == task_id and owner.token == fence), None
+            )
             if writer is not None and newest is not None and writer.token < newest.token:
                 self.violated.truth(
                     "stale-result-stored",

@@ -327,6 +327,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("release", code)
         self.model.released(owner, status.value, code.value)
 
+    @precondition(lambda self: any(task.status == "RUNNING" for task in self.model.tasks.values()))
     @rule(owner=owners, recorded=st.booleans())
     def hand_off(self, owner: Owner, recorded: bool = False) -> None:
         """``Task.replace()``: the owner passes the task id to a replacement, recorded with the
@@ -342,6 +343,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("hand_off", f"{code.value}{':recorded' if recorded else ''}")
         self.model.handed_off(owner, code in HANDOFF_SUCCEEDS, code.value, had_lease, recorded)
 
+    @precondition(lambda self: any(task.status == "HANDED_OFF" for task in self.model.tasks.values()))
     @rule(owner=owners, filed=st.booleans())
     def replacement_sent(self, owner: Owner, filed: bool = True) -> None:
         """``Task.replace()`` sent the replacement: the owner that handed off says so, with the
@@ -357,6 +359,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("replacement_sent", code)
         self.model.said_sent(owner, code.value, filed)
 
+    @precondition(lambda self: any(task.status == "HANDED_OFF" for task in self.model.tasks.values()))
     @rule(owner=owners)
     def hand_back(self, owner: Owner) -> None:
         """The replacement's send failed: the owner takes its hand-off back."""
@@ -364,6 +367,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("hand_back", code)
         self.model.handed_back(owner, code.value)
 
+    @precondition(lambda self: any(task.filed_worker for task in self.model.tasks.values()))
     @rule(worker=st.sampled_from(WORKERS))
     def worker_lapses(self, worker: str = WORKERS[0]) -> None:
         """One of the owners' workers dies or freezes: it said it was alive
@@ -377,13 +381,15 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # -- the reaper and the operator ------------------------------------------------------
 
-    @rule(task_id=st.sampled_from(TASK_IDS), grace=st.booleans())
-    def runs_out_and_claim(self, task_id: str, grace: bool) -> None:
-        """The task's lease runs out (past the grace too) and the reaper's next pass claims
-        it: the way to a takeover, in one step."""
+    @rule(target=owners, task_id=st.sampled_from(TASK_IDS), grace=st.booleans(), worker=st.sampled_from(WORKERS))
+    def runs_out_and_claim(self, task_id: str, grace: bool, worker: str = WORKERS[0]) -> object:
+        """The task's lease runs out (past the grace too), the reaper's next pass claims it,
+        and the message it sends again is delivered: the way to a takeover (and, past
+        MAX_TAKEOVERS, to an abandon), in one step, so that most sequences have several."""
         self.count("runs_out_and_claim")
         self.time_passes(task_id, True)
         self.claim(task_id, grace)
+        return self.deliver(task_id, False, worker)
 
     @rule(task_id=st.sampled_from(TASK_IDS), grace=st.booleans())
     def claim(self, task_id: str, grace: bool = False) -> None:
@@ -885,7 +891,6 @@ HOLES = [
         [
             ("deliver", {}),
             ("runs_out_and_claim", {"grace": False}),
-            ("deliver", {}),
             ("flushdb", {}),
             ("restore", {"owner": OWNER + "0", "lapsed": True}),
             ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),

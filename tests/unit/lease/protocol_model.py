@@ -439,6 +439,9 @@ class ProtocolModel:
         else:
             if may:
                 self.violated("model-mismatch", f"{owner!r}, the live owner, was refused a renewal: {code}")
+            elif task.status in HELD and owner.token < task.fence and code != "stale-token":
+                # A newer owner's lease: stale ("missing" would make it write its own back).
+                self.violated("model-mismatch", f"{owner!r} renewal over a newer token's lease answered {code}")
             elif task.status == DONE:
                 # Ended by a cancel, by this owner, or by a newer one (its lease lives on in the
                 # result, or as a tombstone): each its own answer.
@@ -449,7 +452,9 @@ class ProtocolModel:
                 else:
                     expected = {"missing", "stale-token"}
                 if code not in expected:
-                    self.violated("model-mismatch", f"{owner!r} renewal of a DONE task answered {code}, expected {expected}")
+                    self.violated(
+                        "model-mismatch", f"{owner!r} renewal of a DONE task answered {code}, expected {expected}"
+                    )
             if code != "missing":  # a missing lease: the heartbeat puts it back (restore)
                 owner.believes_live = False
 
@@ -524,6 +529,7 @@ class ProtocolModel:
             # Written back with its run's hand-off token (the one its message names, if any).
             task.status, task.fence, task.holder = RUNNING, owner.token, owner
             task.handoff_token = int(owner.handed_off_by or 0)
+            task.takeovers = owner.takeovers  # written back with the owner's counts
             task.expired = task.due = owner.expired = task.past_grace = owner.lease_gone = False
             task.waits_ttl = False
             if lapsed:
@@ -813,7 +819,9 @@ class ProtocolModel:
         # due, sent again (the record stays), at most max(MAX_TAKEOVERS, 1) times.
         resend = task.status == HANDED_OFF and task.recorded and (task.sent or task.lost_handoff)
         if resend:
-            allowed = {"not-due"} if not task.due else {"requeued" if task.resends < max(MAX_TAKEOVERS, 1) else "waiting"}
+            allowed = (
+                {"not-due"} if not task.due else {"requeued" if task.resends < max(MAX_TAKEOVERS, 1) else "waiting"}
+            )
             if reserved <= task.fence:
                 allowed.add("retry-later")
             if code not in allowed:

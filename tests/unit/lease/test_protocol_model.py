@@ -327,7 +327,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("release", code)
         self.model.released(owner, status.value, code.value)
 
-    @precondition(lambda self: any(task.status == "RUNNING" for task in self.model.tasks.values()))
     @rule(owner=owners, recorded=st.booleans())
     def hand_off(self, owner: Owner, recorded: bool = False) -> None:
         """``Task.replace()``: the owner passes the task id to a replacement, recorded with the
@@ -343,7 +342,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("hand_off", f"{code.value}{':recorded' if recorded else ''}")
         self.model.handed_off(owner, code in HANDOFF_SUCCEEDS, code.value, had_lease, recorded)
 
-    @precondition(lambda self: any(task.status == "HANDED_OFF" for task in self.model.tasks.values()))
     @rule(owner=owners, filed=st.booleans())
     def replacement_sent(self, owner: Owner, filed: bool = True) -> None:
         """``Task.replace()`` sent the replacement: the owner that handed off says so, with the
@@ -359,7 +357,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("replacement_sent", code)
         self.model.said_sent(owner, code.value, filed)
 
-    @precondition(lambda self: any(task.status == "HANDED_OFF" for task in self.model.tasks.values()))
     @rule(owner=owners)
     def hand_back(self, owner: Owner) -> None:
         """The replacement's send failed: the owner takes its hand-off back."""
@@ -449,14 +446,13 @@ class ProtocolMachine(RuleBasedStateMachine):
     # -- what happens to the Redis ----------------------------------------------------------
 
     def heartbeats_tick(self) -> None:
-        """Every owner whose lease was lost with the store's data and that has not been told it
-        lost ticks its heartbeat: it renews, and writes a missing lease back (given up, once its
+        """Every owner that has not been told it lost its lease ticks its heartbeat: it renews, and writes a missing lease back (given up, once its
         own clock saw it run out). Before every loss: two losses are further apart than a
         heartbeat interval (the known hole below, HOLES, is two within one)."""
         if self.holes_open:
             return
         for owner in list(self.model.owners):
-            if owner.lease_gone and owner.believes_live:
+            if owner.token and owner.believes_live:
                 self.renew(owner)
                 if owner.believes_live and owner.lease_gone:
                     self.restore(owner, owner.expired, 0)

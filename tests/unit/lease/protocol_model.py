@@ -8,9 +8,33 @@ lets the step answer that, and follows what happened.
 Every broken rule is a :class:`Violation` named by the invariant it breaks (its own exception
 class, so hypothesis tells the rules apart and shrinks each on its own):
 
-``token-not-increasing``
+The model has two parts. :class:`TaskModel` is what the contract says Redis knows of a task;
+FLUSHDB starts it afresh, and it says what each script may answer. :class:`TaskTruth` is what
+happened, which no loss of the store's data takes back: the newest owner of each task, every
+token handed out, and what each owner got through. The rules named ``(truth)`` below are
+judged by it, also after data loss, and every invariant compares what Redis holds with it.
+
+``token-not-increasing`` (truth)
     every token handed out (acquire, the reaper's claim, a cancel) is above every earlier one,
     also after FLUSHDB, a lost counter and a failover (§3).
+``stale-write-landed``, ``stale-release-landed``, ``stale-handoff`` (truth)
+    an effect (a result stored, an end, a hand-off) of an owner older than the task's newest
+    owner gets through, whatever Redis still knows (§4.10: the higher token wins).
+``effect-without-lease`` (truth)
+    an owner whose lease was lost with the store's data (FLUSHDB, an evicted or expired key)
+    stores, ends or hands off before it put its lease back (§4.10).
+``stale-restore``, ``restore-of-expired-lease`` (truth)
+    an owner puts back a lease although a newer owner exists, or although its own clock saw
+    its lease run out (its last renewal a TTL or more ago).
+``live-lease-not-newest`` (truth, invariant)
+    Redis holds a live lease of an owner that is not the task's newest.
+``stale-result-stored``, ``result-fence-went-back`` (truth, invariant)
+    the result Redis holds became an owner's older than the newest, or a fenced result was
+    replaced by one with a lower fence.
+
+The rules below are judged by what Redis should know (not while a key of the task was lost
+alone: the model then no longer knows exactly what Redis holds, until the next FLUSHDB).
+
 ``two-writers``
     a delivery runs while another owner holds a live lease of the task id (one writer at a time).
 ``stale-write-landed``, ``stale-release-landed``, ``stale-handoff``
@@ -31,10 +55,8 @@ class, so hypothesis tells the rules apart and shrinks each on its own):
 ``foreign-send-said``
     an owner's word that it sent its replacement lands on a record that is not its own
     hand-off's (a hand-off whose replacement was never sent would then wait for ever).
-``restore-of-expired-lease``, ``stale-restore``, ``restore-over-state``, ``restore-after-forget``
+``stale-restore``, ``restore-over-state``, ``restore-after-forget``
     an owner puts back a vanished lease only while it still held it live, with the newest token.
-``live-lease-not-newest``
-    Redis holds a live lease of a token older than the newest the task has.
 ``model-mismatch``
     an answer the model does not allow that breaks none of the above (a lost task, a refused
     current owner): read the message, then fix the scripts or the model.
@@ -45,17 +67,31 @@ the rule to change is the one method of :class:`ProtocolModel` named after the s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from celery_fenced._lease.state import ProgressReport, RenewRequest, as_text
 
-__all__ = ["MAX_TAKEOVERS", "TASK_IDS", "Owner", "ProtocolModel", "TaskModel", "Violation", "Violations"]
+__all__ = [
+    "MAX_TAKEOVERS",
+    "TASK_IDS",
+    "WORKERS",
+    "Owner",
+    "ProtocolModel",
+    "TaskModel",
+    "TaskTruth",
+    "Violation",
+    "Violations",
+]
 
 #: The task ids the machine plays with: one task and another, whose tokens interleave.
 TASK_IDS = ("t1", "t2")
 
+#: The workers (one start of each: "<hostname>/<pid>/<start>") the owners' processes belong to.
+WORKERS = ("wa/1/start", "wb/1/start")
+
 #: ``max_takeovers`` of every delivery: small, so that abandons happen.
-MAX_TAKEOVERS = 2
+MAX_TAKEOVERS = 1
 
 # The lease statuses the model tells apart (HANDED_OFF: a hand-off finished, its record kept).
 NONE = "NONE"
@@ -72,6 +108,12 @@ HELD = (RUNNING, LAPSED, REQUEUED, RETRYING)
 
 #: Final statuses (ABANDONED until a redrive).
 FINAL = (DONE, ABANDONED)
+
+#: The READY states an owner stores (each ends its lease; its meta carries the fence).
+READY = ("SUCCESS", "FAILURE", "REVOKED")
+
+#: Lease statuses an owner's token holds in Redis (what a loss of the hash takes from it).
+HELD_IN_REDIS = ("RUNNING", "STALLED", "LAPSED", "REQUEUED", "RETRYING", "RESERVED")
 
 
 class Violation(AssertionError):
@@ -98,8 +140,20 @@ class Violations:
     def __init__(self, tolerated: str = "") -> None:
         self.tolerated = {name.strip() for name in tolerated.split(",") if name.strip()}
         self.seen: list[str] = []
+        #: The step is about a task whose Redis state the model no longer knows exactly (a key
+        #: of it was evicted or expired): what the model expects Redis to answer is not judged
+        #: until the next FLUSHDB makes it known again; the truth is judged all the same.
+        self.muted = False
 
     def __call__(self, name: str, message: str) -> None:
+        """A rule judged by what the model expects Redis to know."""
+        if self.muted:
+            self.seen.append(f"unjudged:{name}")
+            return
+        self.truth(name, message)
+
+    def truth(self, name: str, message: str) -> None:
+        """A rule judged by the truth (what happened, which the store may lose): always."""
         if name in self.tolerated or "token-not-increasing" in self.seen:
             # Once a token was handed out twice, owners share a token and every later
             # answer may follow from it: a run tolerating it checks nothing more.
@@ -121,8 +175,12 @@ class Owner:
     token: int = 0
     attempt: int = 0
     takeovers: int = 0
+    worker: str = ""  # the worker (one start of it) its process belongs to
     believes_live: bool = True  # its heartbeat has not been told the lease is lost
     expired: bool = False  # its lease ran out (the owner's clock knows that too)
+    #: its lease (held, given up or waiting) was lost with the store's data, and it has not
+    #: put it back since (restore.lua): §4.10, it stores, sends and hands off nothing
+    lease_gone: bool = False
 
     def __repr__(self) -> str:
         return f"Owner({self.owner_id} {self.task_id} token={self.token} message={self.message})"
@@ -133,7 +191,7 @@ class Owner:
     def meta(self, state: str) -> str:
         """The meta the fenced backend writes: a READY one carries the finished lease's fence."""
         head = f'{{"status": "{state}", "result": null, "task_id": "{self.task_id}"'
-        if state == "SUCCESS":
+        if state in READY:
             run = f"{self.publish_id}/{self.attempt}/{self.takeovers}"
             return f'{head}, "fence_run": "{run}", "fence_token": {self.token}}}'
         return f'{head}, "fence_token": {self.token}}}'
@@ -173,6 +231,23 @@ class TaskModel:
     #: HANDED_OFF: the owner that handed off (its id and token stay in the record: once the
     #: reaper undoes a lost hand-off, the lease is that owner's again, as a claimed one is)
     handed_off_owner: Owner | None = None
+    #: the worker its last hand-off is filed under
+    filed_worker: str = ""
+    #: the owner that ended it with a READY result, and that result's state
+    ended_state: str = ""
+    #: its lease's expiry (or lapse) is past the reaper's takeover grace too
+    past_grace: bool = False
+    #: LAPSED by an owner's write-back of its vanished lease: due only once time passes
+    waits_ttl: bool = False
+    #: its hand-off recorded the replacement (handoffCall): the reaper sends it again
+    recorded: bool = False
+    #: HANDED_OFF and recorded: the reaper's re-sends of the replacement so far
+    resends: int = 0
+    #: DONE by a cancel (its lease keeps cancelledAt)
+    cancelled: bool = False
+    #: a key of it was evicted or expired: the model no longer knows exactly what Redis holds
+    #: (until FLUSHDB); see :attr:`Violations.muted`
+    uncertain: bool = False
 
     def publish_of(self, message: str) -> str:
         """The publish id a message carries: a replacement keeps the replaced run's
@@ -193,14 +268,87 @@ class TaskModel:
         return TaskModel(publishes=list(self.publishes), headers=dict(self.headers), unrecorded=set(self.publishes))
 
 
+@dataclass
+class TaskTruth:
+    """What happened to one task id, which no loss of the store's data takes back: the owner
+    with the newest token that ran (acquired, or put its lease back), and what each owner
+    got through (results stored, ends, hand-offs), in order."""
+
+    newest: Owner | None = None
+    sent: list[str] = field(default_factory=list)
+    #: the last value of the result key the invariants saw, and its fence (0: none)
+    seen_result: bytes | None = None
+    seen_fence: int = 0
+
+
+_FENCE_TOKEN = re.compile(rb'"fence_token": (\d+)')
+
+
+def fence_token_of(result: bytes | None) -> int:
+    """The ``fence_token`` a stored result carries (0: none, or no result)."""
+    found = _FENCE_TOKEN.search(result) if result is not None else None
+    return int(found.group(1)) if found else 0
+
+
 class ProtocolModel:
-    """The model of every task id, the tokens handed out and the owners."""
+    """The model of every task id, the tokens handed out and the owners.
+
+    Two parts: :attr:`tasks`, what the contract says Redis knows (lost with its data: FLUSHDB
+    starts it afresh), which says what each script may answer; and :attr:`truth`, what
+    happened (never lost), which says whose effects may land at all and what Redis may hold.
+    """
 
     def __init__(self, violated: Violations) -> None:
         self.violated = violated
         self.tasks = {task_id: TaskModel(publishes=[f"{task_id}-p0"]) for task_id in TASK_IDS}
+        self.truth = {task_id: TaskTruth() for task_id in TASK_IDS}
         self.owners: list[Owner] = []
         self.max_token = 0  # the highest token handed out so far
+
+    def task(self, task_id: str) -> TaskModel:
+        """The task a step is about; what the model expects of it is judged only while the
+        model knows its Redis state exactly."""
+        task = self.tasks[task_id]
+        self.violated.muted = task.uncertain
+        return task
+
+    # -- the truth -----------------------------------------------------------------------
+
+    def landed(self, owner: Owner, what: str, stale_rule: str) -> None:
+        """An effect of ``owner`` got through (a result stored, an end, a hand-off). Only the
+        task's newest owner's may (the higher token wins), and only while it holds its lease:
+        once the lease was lost with the store's data, not until it put it back (§4.10)."""
+        truth = self.truth[owner.task_id]
+        truth.sent.append(f"{owner.owner_id}/{owner.token}: {what}")
+        newest = truth.newest
+        if newest is not None and owner.token < newest.token:
+            self.violated.truth(
+                stale_rule,
+                f"{owner!r}'s {what} got through, but {newest!r} is the task's newest owner "
+                f"(what got through so far: {truth.sent})",
+            )
+        elif owner.lease_gone:
+            self.violated.truth(
+                "effect-without-lease",
+                f"{owner!r}'s {what} got through after its lease was lost with the store's data, "
+                f"before it put it back (what got through so far: {truth.sent})",
+            )
+
+    def lease_lost(self, task_id: str, fields: dict[str, str], whole: bool) -> None:
+        """The lease hash of ``task_id`` (``fields``, read just before) was lost: with the
+        whole database (``whole``: the model of Redis starts afresh) or alone (evicted,
+        expired: the model no longer knows exactly what Redis holds of the task)."""
+        if fields.get("status") in HELD_IN_REDIS:
+            for owner in self.owners:
+                held = (fields.get("ownerId"), fields.get("ownerToken")) == (owner.owner_id, str(owner.token))
+                if owner.task_id == task_id and held:
+                    owner.lease_gone = True
+        if not whole:
+            self.tasks[task_id].uncertain = True
+
+    def result_lost(self, task_id: str) -> None:
+        """The result key of ``task_id`` alone was lost (evicted, expired)."""
+        self.tasks[task_id].uncertain = True
 
     # -- deliveries ---------------------------------------------------------------------
 
@@ -213,22 +361,22 @@ class ProtocolModel:
         """The header a message carries: the token of the hand-off that sent it ("": none)."""
         return self.tasks[task_id].headers.get(message, "")
 
-    def new_owner(self, task_id: str, message: str) -> Owner:
+    def new_owner(self, task_id: str, message: str, worker: str = WORKERS[0]) -> Owner:
         n = len(self.owners) + 1
-        process = f"w{n}/{1000 + n}/"
-        task = self.tasks[task_id]
+        process = f"{worker.split('/')[0]}/{1000 + n}/"  # its own pid on its worker's host
+        task = self.task(task_id)
         header = self.handed_off_by(task_id, message)
-        owner = Owner(task_id, f"{process}a{n}", process, message, task.publish_of(message), header)
+        owner = Owner(task_id, f"{process}a{n}", process, message, task.publish_of(message), header, worker=worker)
         self.owners.append(owner)
         return owner
 
     def hand_out(self, token: int, by: str) -> None:
         if token <= self.max_token:
-            self.violated("token-not-increasing", f"{by} handed out token {token}, not above {self.max_token}")
+            self.violated.truth("token-not-increasing", f"{by} handed out token {token}, not above {self.max_token}")
         self.max_token = max(self.max_token, token)
 
     def acquired(self, owner: Owner, code: str, token: int, attempt: int, takeovers: int) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         runs = code in ("new", "takeover")
         if task.status == RUNNING and not task.expired:
             expected = "duplicate"
@@ -247,6 +395,7 @@ class ProtocolModel:
         where = f"{owner!r} acquired {code} token {token} while the task was {task.status}"
         if runs:
             self.hand_out(token, f"acquire of {owner!r}")
+            self.truth[owner.task_id].newest = owner
             if expected == "duplicate":
                 self.violated("two-writers", f"{where}, held live by {task.holder!r}")
             elif expected == "done":
@@ -261,8 +410,9 @@ class ProtocolModel:
                 self.violated("copy-after-handoff-ran", f"{where}: a copy of a message a hand-off replaced")
             owner.token, owner.attempt, owner.takeovers = token, attempt, takeovers
             task.status, task.fence, task.holder = RUNNING, token, owner
-            task.expired = task.due = task.forgotten = False
+            task.expired = task.due = task.forgotten = task.past_grace = False
             task.takeovers, task.ended_by, task.done_publish = takeovers, None, ""
+            task.cancelled = task.waits_ttl = False
             if task.status == NONE:  # a lease written anew: no hand-off's token on it
                 task.handoff_token = 0
         else:
@@ -275,30 +425,46 @@ class ProtocolModel:
 
     def current(self, owner: Owner) -> bool:
         """The owner's token is the task's newest and fences the lease Redis holds."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         return task.holder is owner and task.fence == owner.token and task.status in HELD
 
     def renewed(self, owner: Owner, code: str) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         may = self.current(owner) and task.status == RUNNING
         if code == "ok":
             if not may:
                 self.violated("two-writers", f"{owner!r} renewed a lease it does not hold ({task.status})")
-            task.status, task.expired = RUNNING, False
+            task.status, task.expired, task.past_grace = RUNNING, False, False
             owner.expired, owner.believes_live = False, True
         else:
             if may:
                 self.violated("model-mismatch", f"{owner!r}, the live owner, was refused a renewal: {code}")
+            elif task.status in HELD and owner.token < task.fence and code != "stale-token":
+                # A newer owner's lease: stale ("missing" would make it write its own back).
+                self.violated("model-mismatch", f"{owner!r} renewal over a newer token's lease answered {code}")
+            elif task.status == DONE:
+                # Ended by a cancel, by this owner, or by a newer one (its lease lives on in the
+                # result, or as a tombstone): each its own answer.
+                if task.cancelled:
+                    expected = {"cancelled"}
+                elif owner.token == task.fence:
+                    expected = {"missing", "finished"}
+                else:
+                    expected = {"missing", "stale-token"}
+                if code not in expected:
+                    self.violated(
+                        "model-mismatch", f"{owner!r} renewal of a DONE task answered {code}, expected {expected}"
+                    )
             if code != "missing":  # a missing lease: the heartbeat puts it back (restore)
                 owner.believes_live = False
 
     def stalled(self, owner: Owner, code: str, release: bool) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         may = self.current(owner) and task.status == RUNNING
         if (code == "ok") != may:
             self.violated("model-mismatch", f"{owner!r} lapse answered {code} on {task.status}")
         if code == "ok" and release:
-            task.status = LAPSED
+            task.status, task.past_grace = LAPSED, False
             owner.believes_live = False
         elif code not in ("ok", "missing"):
             owner.believes_live = False
@@ -307,7 +473,7 @@ class ProtocolModel:
         """The worker's main process gives up the lease of a process it lost, whose message
         Celery puts back (``task_acks_late``, ``task_reject_on_worker_lost``): only a live
         lease that process owns."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         if task.status == RUNNING and task.holder is owner:
             expected = {"lapsed"}
         elif task.status == NONE:
@@ -317,15 +483,19 @@ class ProtocolModel:
         if code not in expected:
             self.violated("model-mismatch", f"{owner!r}'s process lost: lapse answered {code} on {task.status}")
         if code == "lapsed":
-            task.status = LAPSED
+            task.status, task.past_grace = LAPSED, False
             owner.believes_live = False
 
-    def time_passed(self, task_id: str) -> None:
-        task = self.tasks[task_id]
+    def time_passed(self, task_id: str, past_grace: bool = False) -> None:
+        task = self.task(task_id)
+        task.past_grace = past_grace  # the machine wrote the expiry back: past the grace or not
+        task.waits_ttl = False
         if task.status == RUNNING:
             task.expired = True
         elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
             task.due = True
+        elif task.status == HANDED_OFF and task.recorded and task.sent:
+            task.due = True  # said sent: the reaper looks whether the replacement started
         for owner in self.owners:
             if owner.task_id == task_id and owner.believes_live:
                 owner.expired = True
@@ -333,25 +503,39 @@ class ProtocolModel:
     def restored(self, owner: Owner, code: str, lapsed: bool = False) -> None:
         """An owner puts back its vanished lease: RUNNING only while it cannot have expired;
         ``lapsed`` (its own clock gave it up), LAPSED for the reaper, whatever its age."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         where = f"{owner!r} restored its lease (task {task.status}, newest token {task.fence})"
         if code == "restored" and task.holder is owner and task.status == RUNNING:
-            return  # its own lease is there (it asks again: a lost reply): nothing written
+            # Its own lease is there (it asks again: a lost reply), or was written back after
+            # the hash alone was lost (the model does not follow a lone eviction): its lease.
+            owner.lease_gone = False
+            return
         if code == "restored":
-            if owner.token < task.fence:
+            newest = self.truth[owner.task_id].newest
+            if newest is not None and owner.token < newest.token:
+                self.violated.truth("stale-restore", f"{where}: {newest!r} is the task's newest owner")
+            elif owner.expired and not lapsed:
+                self.violated.truth("restore-of-expired-lease", f"{where} after it had expired")
+            elif owner.token < task.fence:
                 self.violated("stale-restore", where)
             elif task.status in FINAL and task.forgotten:
                 self.violated("restore-after-forget", where)
-            elif task.status != NONE:
+            elif task.status != NONE and not (task.status in HELD and not lapsed and owner.token > task.fence):
+                # An older token's lease where this owner's was (written after the store lost
+                # this owner's): the newer token wins, and writes its own in its place.
                 self.violated("restore-over-state", where)
             elif owner.expired and not lapsed:
                 self.violated("restore-of-expired-lease", f"{where} after it had expired")
             # Written back with its run's hand-off token (the one its message names, if any).
             task.status, task.fence, task.holder = RUNNING, owner.token, owner
             task.handoff_token = int(owner.handed_off_by or 0)
-            task.expired = task.due = owner.expired = False
+            task.takeovers = owner.takeovers  # written back with the owner's counts
+            task.expired = task.due = owner.expired = task.past_grace = owner.lease_gone = False
+            task.waits_ttl = False
             if lapsed:
-                task.status, owner.believes_live = LAPSED, False
+                # Given up, due a TTL from now: a newer owner whose lease vanished with it
+                # writes its own back first.
+                task.status, owner.believes_live, task.waits_ttl = LAPSED, False, True
         elif code == "expired" and (lapsed or not owner.expired):
             self.violated("model-mismatch", f"{where}: expired, for an owner that renewed less than a TTL ago")
         elif task.status == NONE and (lapsed or not owner.expired) and owner.token >= task.fence and not task.result:
@@ -360,10 +544,12 @@ class ProtocolModel:
     # -- writes and ends ----------------------------------------------------------------
 
     def wrote(self, owner: Owner, state: str, code: str) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         stored = code == "stored"
         where = f"{owner!r} {state} write answered {code} (task {task.status}, newest token {task.fence})"
-        asks_again = task.status == DONE and task.ended_by is owner and state == "SUCCESS"
+        asks_again = task.status == DONE and task.ended_by is owner and state == task.ended_state
+        if stored and not asks_again:
+            self.landed(owner, f"{state} write", "stale-write-landed")
         if stored:
             task.result = True
             if owner.token < task.fence:
@@ -376,7 +562,12 @@ class ProtocolModel:
                 return self.violated("write-after-handoff", where)
         elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
             self.violated("model-mismatch", f"{where}: the current owner's write was refused")
-        if code == "sticky" and state == "SUCCESS" and self.current(owner):
+        elif task.status in FINAL and owner.token < task.fence and code != "stale":
+            # A newer token ended it (its result's fence, its tombstone): an older owner's
+            # write is stale, which the owner reads as taken over ("missing" would make it
+            # write its lease back first).
+            self.violated("model-mismatch", f"{where}: expected stale (a newer token finished it)")
+        if code == "sticky" and state in READY and self.current(owner):
             # A SUCCESS already stored is kept (Celery's rule); the run's lease still ends.
             task.status, task.holder, task.ended_by, task.done_publish = DONE, None, None, owner.message
             owner.believes_live = False
@@ -385,9 +576,9 @@ class ProtocolModel:
         if not stored or asks_again:
             return
         task.result = True
-        if state == "SUCCESS":
+        if state in READY:
             task.status, task.fence, task.holder, task.ended_by = DONE, max(task.fence, owner.token), None, owner
-            task.done_publish = owner.message
+            task.done_publish, task.ended_state = owner.message, state
             task.forgotten = False
             owner.believes_live = False
         elif state == "RETRY":
@@ -396,12 +587,14 @@ class ProtocolModel:
                 task.status, task.due = RETRYING, False
 
     def wrote_tokenless(self, owner: Owner, worker_lost: bool, code: str) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         what = "a WorkerLostError" if worker_lost else "a REVOKED"
         where = f"{what} of {owner!r}'s process answered {code} (task {task.status})"
         if task.status in FINAL:
             if code == "stored":
                 self.violated("write-after-forget" if task.forgotten else "write-after-final", where)
+            elif code != "finished":
+                self.violated("model-mismatch", f"{where}: expected finished")
             return
         if task.status == HANDED_OFF:
             # Only the replacement's own message may write without a token (a replacement
@@ -456,7 +649,7 @@ class ProtocolModel:
         if code != expected:
             self.violated("model-mismatch", f"{where}: expected {expected}")
         if code == "lapsed":
-            task.status = LAPSED
+            task.status, task.past_grace = LAPSED, False
             owner.believes_live = False
         elif code == "stored":  # the run holding the lease ends: copies of its publish do not run
             task.done_publish = task.holder.message if task.holder is not None else ""
@@ -467,7 +660,7 @@ class ProtocolModel:
         message back (``task_acks_late``, ``acks_on_timeout`` off): the lease of that process,
         live or given up, is left REQUEUED for the message; otherwise as any tokenless write.
         A hand-off of that process not said sent is undone first."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         handing = (
             task.status == HANDED_OFF
             and owner.token == task.handoff_token
@@ -505,9 +698,10 @@ class ProtocolModel:
         owner.believes_live = False
 
     def released(self, owner: Owner, status: str, code: str) -> None:
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         where = f"{owner!r} release {status} answered {code} (task {task.status}, newest token {task.fence})"
         if code == "ok":
+            self.landed(owner, f"release {status}", "stale-release-landed")
             if owner.token < task.fence:
                 return self.violated("stale-release-landed", where)
             elif not self.current(owner):
@@ -519,14 +713,15 @@ class ProtocolModel:
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's end was refused")
 
-    def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool) -> None:
+    def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool, recorded: bool = False) -> None:
         """``Task.replace()``: fenced like a write; a finished hand-off sends the replacement
         (its message names the owner's token) and leaves a HANDED_OFF record that refuses
         older tokens and every message but the replacement's."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         where = f"{owner!r} hand-off answered {code} (task {task.status}, newest token {task.fence})"
         if succeeded:
             # A hand-off the contract refuses sends no replacement: the model stays as it was.
+            self.landed(owner, "hand-off", "stale-handoff")
             if not had_lease:
                 return self.violated("missing-handoff-succeeded", where)
             elif owner.token < task.fence:
@@ -542,7 +737,8 @@ class ProtocolModel:
             task.headers[replacement] = str(owner.token)
             task.status, task.holder, task.expired, task.due = HANDED_OFF, None, False, False
             task.handoff_token, task.lost_handoff, task.handed_off_owner = owner.token, False, owner
-            task.sent, task.filed = False, True
+            task.sent, task.filed, task.filed_worker = False, True, owner.worker
+            task.recorded, task.resends = recorded, 0
             owner.believes_live = False
         elif self.current(owner):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
@@ -551,7 +747,7 @@ class ProtocolModel:
         """The replacement could not be sent: the owner takes its hand-off back, as long as
         the record is its own hand-off's and nothing started the task id since. The lease is
         the owner's again, with the hand-off token it had; the replacement was never sent."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         where = f"{owner!r} hand-back answered {code} (task {task.status}, newest token {task.fence})"
         its_own = task.status == HANDED_OFF and task.handoff_token == owner.token == task.fence
         if code == "ok":
@@ -561,23 +757,26 @@ class ProtocolModel:
             replacement = task.publishes.pop()
             task.headers.pop(replacement, None)
             task.handed_off, task.handoff_token = task.before_handoff
-            task.status, task.holder, task.expired = RUNNING, owner, False
+            task.status, task.holder, task.expired, task.past_grace = RUNNING, owner, False, False
             owner.believes_live, owner.expired = True, False
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not taken back")
 
-    def worker_lapsed(self, made_due: int) -> None:
-        """The liveness record of the owners' worker lapsed (a whole worker dead or frozen):
-        each hand-off filed under it and not said sent may never have been sent, and is due
-        now; every filing leaves the worker's set."""
+    def worker_lapsed(self, worker: str, made_due: int) -> None:
+        """The liveness record of ``worker`` lapsed (a whole worker dead or frozen): each
+        hand-off filed under it and not said sent may never have been sent, and is due now;
+        every filing leaves the worker's set."""
         expected = 0
+        self.violated.muted = any(task.uncertain for task in self.tasks.values())
         for task in self.tasks.values():
+            if task.filed_worker != worker:
+                continue
             if task.filed and task.status == HANDED_OFF and not task.sent:
                 task.lost_handoff, task.due = True, True
                 expected += 1
             task.filed = False
         if made_due != expected:
-            self.violated("model-mismatch", f"the worker's lapse made {made_due} due, expected {expected}")
+            self.violated("model-mismatch", f"{worker}'s lapse made {made_due} due, expected {expected}")
 
     @staticmethod
     def undo_handoff(task: TaskModel) -> None:
@@ -586,29 +785,58 @@ class ProtocolModel:
         task.handed_off, task.handoff_token = task.before_handoff
         task.lost_handoff = False
 
-    def said_sent(self, owner: Owner, code: str) -> None:
+    def said_sent(self, owner: Owner, code: str, filed: bool = True) -> None:
         """The owner that handed off sent its replacement and says so: its own record, as the
         hand-off left it, is no longer due; nothing else changes."""
-        task = self.tasks[owner.task_id]
+        task = self.task(owner.task_id)
         where = f"{owner!r} said it sent its replacement: {code} (task {task.status}, newest token {task.fence})"
         its_own = task.status == HANDED_OFF and task.handoff_token == owner.token and task.handed_off_owner is owner
         if code == "ok":
             if not its_own:
                 return self.violated("foreign-send-said", where)
-            task.sent, task.filed = True, False  # even after its process was taken for lost
+            # Even after its process was taken for lost. Said without its worker (the worker's
+            # id unknown), the filing stays, and the worker's lapse passes it by (said sent).
+            # A recorded replacement is due a requeue timeout from the first saying.
+            task.due = task.due and task.sent
+            task.sent, task.filed = True, task.filed and not filed
         elif its_own:
             self.violated("model-mismatch", f"{where}: the owner's own hand-off was not marked sent")
 
     # -- the reaper and the operator ----------------------------------------------------
 
-    def claimed(self, task_id: str, code: str, cause: str, reserved: int) -> None:
+    def claimed(self, task_id: str, code: str, cause: str, reserved: int, grace: bool = False) -> None:
+        """The reaper's claim; ``grace``: with a takeover grace, which a lease held or given up
+        waits out after its expiry (or lapse) before it is due."""
         self.hand_out(reserved, f"the claim of {task_id}")
-        task = self.tasks[task_id]
+        task = self.task(task_id)
         # The replacement may never have been sent: its process was lost before it said so.
         lost = task.status == HANDED_OFF and task.lost_handoff and not task.sent
-        counted = (task.status == RUNNING and task.expired) or task.status == LAPSED or (lost and task.due)
+        graced = task.past_grace or not grace
+        lapsed_due = task.status == LAPSED and graced and not task.waits_ttl
+        counted = (task.status == RUNNING and task.expired and graced) or lapsed_due
+        counted = counted or (lost and task.due and graced)
+        # A recorded replacement said sent, or whose owner was lost before it said so: once
+        # due, sent again (the record stays), at most max(MAX_TAKEOVERS, 1) times.
+        resend = task.status == HANDED_OFF and task.recorded and (task.sent or task.lost_handoff)
+        if resend:
+            allowed = (
+                {"not-due"} if not task.due else {"requeued" if task.resends < max(MAX_TAKEOVERS, 1) else "waiting"}
+            )
+            if reserved <= task.fence:
+                allowed.add("retry-later")
+            if code not in allowed:
+                self.violated(
+                    "model-mismatch", f"claim of {task_id} (a recorded hand-off) answered {code}, expected {allowed}"
+                )
+            if code in ("requeued", "waiting"):
+                task.due = False
+                task.resends += code == "requeued"
+            return
         if task.status == NONE:
             allowed = {"missing"}
+        elif lost and task.due and not graced:
+            # Undone (a lease given up), then its grace waited out as any lapsed lease's.
+            allowed = {"not-due"}
         elif lost and task.due:  # the replacement never started: the hand-off undone, a takeover
             allowed = {"abandoned"} if task.takeovers + 1 > MAX_TAKEOVERS else {"requeued"}
         elif lost:
@@ -629,6 +857,9 @@ class ProtocolModel:
             allowed.add("retry-later")  # the token's own violation is reported already
         if code not in allowed:
             self.violated("model-mismatch", f"claim of {task_id} answered {code} ({cause}), expected {allowed}")
+        if lost and task.due and code == "not-due":
+            self.undo_handoff(task)
+            task.status, task.holder = LAPSED, task.handed_off_owner
         if lost and code in ("requeued", "abandoned"):
             # Undone as a hand-back undoes it; the replacement, if it was sent after all, is a
             # message like any other (a takeover of the claimed task, or a copy of its run).
@@ -644,8 +875,9 @@ class ProtocolModel:
             task.due = False
 
     def cancelled(self, task_id: str, code: str, token: int, unknown_too: bool) -> None:
+        """``celery fenced cancel``: a fresh token, a fenced REVOKED, the lease DONE."""
         self.hand_out(token, f"the cancel of {task_id}")
-        task = self.tasks[task_id]
+        task = self.task(task_id)
         if task.status in FINAL:
             allowed = {"finished"}  # forget() keeps its tombstone (§4.5)
         elif task.status in HELD:
@@ -662,19 +894,20 @@ class ProtocolModel:
             self.violated("model-mismatch", f"cancel of {task_id} answered {code} ({task.status}), expected {allowed}")
         if code == "cancelled":
             task.status, task.fence, task.holder, task.result, task.done_publish = DONE, token, None, True, ""
-            task.forgotten, task.ended_by = False, None
+            task.forgotten, task.ended_by, task.cancelled = False, None, True
 
     def redriven(self, task_id: str, code: str) -> None:
-        task = self.tasks[task_id]
+        task = self.task(task_id)
         if (code == "redriven") != (task.status == ABANDONED):
             self.violated("model-mismatch", f"redrive of {task_id} answered {code} ({task.status})")
         if code == "redriven":
             task.status, task.takeovers, task.result, task.forgotten = LAPSED, 0, False, False
+            task.past_grace = False
 
     def forgotten(self, task_id: str, code: str) -> None:
         """``forget()``: the result goes; a finished task's fence stays, as a tombstone that
         refuses a late copy and a late write (for the forget window, longer than a run)."""
-        task = self.tasks[task_id]
+        task = self.task(task_id)
         expected = "forgotten" if task.status in FINAL else "deleted"
         if code != expected:
             self.violated("model-mismatch", f"forget of {task_id} answered {code} ({task.status}), expected {expected}")
@@ -683,9 +916,12 @@ class ProtocolModel:
 
     # -- what happens to the Redis ------------------------------------------------------
 
-    def flushed(self) -> None:
-        """Every key gone: the tasks' state, fences and records (not the tokens handed out,
-        which the contract still keeps above)."""
+    def flushed(self, leases: dict[str, dict[str, str]]) -> None:
+        """Every key gone: what Redis knows of the tasks (``leases``: their lease hashes, read
+        just before), their fences and records. Not the truth: the tokens handed out, the
+        owners, what each got through."""
+        for task_id, fields in leases.items():
+            self.lease_lost(task_id, fields, whole=True)
         self.tasks = {task_id: task.fresh() for task_id, task in self.tasks.items()}
 
     def counter_lost(self) -> None:
@@ -696,30 +932,42 @@ class ProtocolModel:
 
     # -- invariants ---------------------------------------------------------------------
 
-    def check_redis(self, task_id: str, fields: dict[str, str], result: bytes | str | None) -> None:
-        """Redis holds a live lease only for the task's newest token, and a finished task as
+    def check_redis(self, task_id: str, fields: dict[str, str], result: bytes | None) -> None:
+        """What Redis holds, judged by the truth: a live lease only for the task's newest owner;
+        a result that changed written by no owner older than the newest, and never to a lower
+        fence than the result it replaced. And by what Redis should know: a finished task still
         finished (until FLUSHDB; after forget() as its tombstone)."""
-        task = self.tasks[task_id]
+        truth = self.truth[task_id]
+        newest = truth.newest
         status = fields.get("status")
-        if status in ("RUNNING", "STALLED") and int(fields.get("ownerToken", 0)) < task.fence:
-            self.violated(
-                "live-lease-not-newest",
-                f"{task_id} is {status} for token {fields.get('ownerToken')}, the newest is {task.fence}",
+        if status in ("RUNNING", "STALLED"):
+            holder = (fields.get("ownerToken"), fields.get("ownerId"))
+            if newest is None or holder != (str(newest.token), newest.owner_id):
+                self.violated.truth(
+                    "live-lease-not-newest",
+                    f"{task_id} is {status} for {holder}, the task's newest owner is {newest!r}",
+                )
+        if result != truth.seen_result:
+            fence = fence_token_of(result)
+            writer = next(
+                (owner for owner in self.owners if fence and owner.task_id == task_id and owner.token == fence), None
             )
+            if writer is not None and newest is not None and writer.token < newest.token:
+                self.violated.truth(
+                    "stale-result-stored",
+                    f"{task_id}'s result is now {writer!r}'s, but {newest!r} is its newest owner "
+                    f"(what got through: {truth.sent})",
+                )
+            if fence and truth.seen_result is not None and fence < truth.seen_fence:
+                self.violated.truth(
+                    "result-fence-went-back",
+                    f"{task_id}'s result with fence {truth.seen_fence} was replaced by one with fence {fence}",
+                )
+            truth.seen_result, truth.seen_fence = result, fence
+        task = self.task(task_id)
         if task.status in FINAL:
             finished = status in FINAL or (status is None and result is not None and "fence_token" in as_text(result))
             if not finished:
                 self.violated(
                     "final-undone", f"{task_id} is {task.status} in the model, Redis has {fields or result!r}"
                 )
-
-    def check_one_live_owner(self) -> None:
-        """The model's own consistency: at most one owner per task holds it live."""
-        for task_id in self.tasks:
-            live = [
-                owner
-                for owner in self.owners
-                if owner.task_id == task_id and owner.believes_live and not owner.expired and self.current(owner)
-            ]
-            if len(live) > 1:
-                self.violated("two-writers", f"{task_id} held live by {live}")

@@ -112,7 +112,7 @@ _FIELDS = (
     LeaseField("reservedAt", "time", "when that worker received it"),
     LeaseField("stalledAt", "time", "when the owner reported a stall (alert mode, or before a release)"),
     LeaseField("lapsedAt", "time", "when it lapsed (a stall, a lost worker, an unfinished body, a redrive)"),
-    LeaseField("lapseReason", "text", "why it lapsed: stalled, worker-lost, unfinished, gone or redrive"),
+    LeaseField("lapseReason", "text", "why it lapsed: stalled, worker-lost, unfinished, gone, redrive or data-lost"),
     LeaseField("requeuedAt", "time", "when the reaper last claimed it and re-sent the call"),
     LeaseField("claimCause", "text", "why the reaper last claimed it (stalled, gone, resend, retry, …)"),
     LeaseField("claimToken", "int", "the token reserved by that claim: the same claim asked again, same answer"),

@@ -12,7 +12,9 @@
 --                                       AsyncResult.get()
 -- owner_refusal(key, owner_id, token)   why an owner's call on the lease at key is refused
 --                                       ("missing", "stale-token", "not-owner"), or nil,
---                                       and the lease's status
+--                                       and the lease's status; "missing" too for the
+--                                       owner's lease written back given up after the
+--                                       store lost it (lapseReason "data-lost")
 -- publish_progress(key, stored_version, now, stage, version, age_ms, details)
 --                                       write an owner's progress: progressVersion,
 --                                       lastProgressAt (server time minus the age the owner
@@ -101,13 +103,18 @@ local function write_result(key, meta, expires_ms)
 end
 
 local function owner_refusal(key, owner_id, token)
-  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId')
+  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId', 'lapseReason')
   if not cur[1] then
     return 'missing', nil
   elseif cur[2] ~= token then
     return 'stale-token', cur[1]
   elseif cur[3] ~= owner_id then
     return 'not-owner', cur[1]
+  elseif cur[4] == 'data-lost' then
+    -- Its own lease, written back given up after the store lost it (restore.lua, "lapsed"),
+    -- and perhaps claimed or put back since: a placeholder for the reaper, not a lease the
+    -- owner holds (a newer owner's may have gone with it): nothing of the owner's lands on it.
+    return 'missing', cur[1]
   end
   return nil, cur[1]
 end

@@ -117,7 +117,7 @@ end
 
 local cause
 if status == 'LAPSED' then
-  if f[6] == 'worker-lost' or f[6] == 'gone' or f[6] == 'unfinished' then
+  if f[6] == 'worker-lost' or f[6] == 'gone' or f[6] == 'unfinished' or f[6] == 'data-lost' then
     cause = 'gone'
   elseif f[6] == 'redrive' then
     cause = 'redrive'

@@ -109,7 +109,7 @@ if lapsed then
   -- Due a TTL from now, not at once: a newer owner whose lease vanished with this one's (the
   -- store lost data) is still live if it renewed within the TTL, and writes its own back over
   -- this one first (the newer token wins). Only then may the reaper re-send the task.
-  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'lapsedAt', now, 'lapseReason', 'gone')
+  redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'lapsedAt', now, 'lapseReason', 'data-lost')
 end
 redis.call('ZADD', KEYS[3], expire_at, KEYS[1])
 return {'restored'}

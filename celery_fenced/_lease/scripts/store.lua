@@ -57,7 +57,8 @@
 --   "finished"  refused: the lease already ended (DONE or ABANDONED), or was handed off
 --   "missing"   refused: a write with a token finds neither a lease nor a finished result
 --               (fence_of()) that refuses it: its lease vanished (data loss), and a newer
---               owner's may have vanished with it. Nothing written; the owner writes its
+--               owner's may have vanished with it; or finds its own lease written back given
+--               up after that (lapseReason "data-lost"). Nothing written; the owner writes its
 --               lease back (restore.lua) and asks again, or stores nothing
 --   "lapsed"    a tokenless WorkerLostError (or cancel) of the current owner: nothing
 --               written, the lease is LAPSED so the reaper takes the task over at once; of
@@ -77,7 +78,7 @@
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept', 'takeovers')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept', 'takeovers', 'lapseReason')
 local status = cur[1]
 
 if status == 'DONE' and token ~= '' and cur[2] == token
@@ -126,6 +127,14 @@ if token ~= '' then
   local owner_id = ARGV[6] or ''
   if cur[2] ~= token or (owner_id ~= '' and cur[3] ~= owner_id and cur[3] ~= '') then
     return {'stale', cur[2] or ''}
+  end
+  if cur[6] == 'data-lost' then
+    -- The owner's own lease, written back given up after the store lost it (restore.lua,
+    -- "lapsed"; claimed or put back since, perhaps): a newer owner's lease may have gone with
+    -- it, and that owner writes its own back within the TTL this one waits. It is a
+    -- placeholder for the reaper, not a lease the owner holds: its write is refused as its
+    -- vanished lease's was.
+    return {'missing', ''}
   end
 else
   if status == 'DONE' or status == 'ABANDONED' then

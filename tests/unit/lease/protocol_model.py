@@ -534,8 +534,10 @@ class ProtocolModel:
             task.waits_ttl = False
             if lapsed:
                 # Given up, due a TTL from now: a newer owner whose lease vanished with it
-                # writes its own back first.
+                # writes its own back first. A placeholder for the reaper, not the owner's
+                # lease back: the owner stores, ends and hands off nothing on it (§4.10).
                 task.status, owner.believes_live, task.waits_ttl = LAPSED, False, True
+                owner.lease_gone = True
         elif code == "expired" and (lapsed or not owner.expired):
             self.violated("model-mismatch", f"{where}: expired, for an owner that renewed less than a TTL ago")
         elif task.status == NONE and (lapsed or not owner.expired) and owner.token >= task.fence and not task.result:
@@ -560,6 +562,8 @@ class ProtocolModel:
                 return self.violated("write-after-final", where)
             elif task.status == HANDED_OFF:
                 return self.violated("write-after-handoff", where)
+        elif self.current(owner) and code == "missing" and owner.lease_gone:
+            pass  # its own lease written back given up after the store lost it: nothing stored
         elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
             self.violated("model-mismatch", f"{where}: the current owner's write was refused")
         elif task.status in FINAL and owner.token < task.fence and code != "stale":
@@ -710,7 +714,7 @@ class ProtocolModel:
             if status == DONE:
                 task.holder, task.done_publish = None, owner.message
             owner.believes_live = False
-        elif self.current(owner):
+        elif self.current(owner) and not (code == "missing" and owner.lease_gone):
             self.violated("model-mismatch", f"{where}: the current owner's end was refused")
 
     def handed_off(self, owner: Owner, succeeded: bool, code: str, had_lease: bool, recorded: bool = False) -> None:
@@ -740,7 +744,7 @@ class ProtocolModel:
             task.sent, task.filed, task.filed_worker = False, True, owner.worker
             task.recorded, task.resends = recorded, 0
             owner.believes_live = False
-        elif self.current(owner):
+        elif self.current(owner) and not (code == "missing" and owner.lease_gone):
             self.violated("model-mismatch", f"{where}: the current owner's hand-off was refused")
 
     def handed_back(self, owner: Owner, code: str) -> None:

@@ -87,6 +87,7 @@ MUTANTS = [
         losses=True,
     ),
     Mutant("restore-finished-fence", "restore", "if fence then", "if false then", losses=True),
+    Mutant("store-data-lost-write-back", "store", "if cur[6] == 'data-lost' then", "if false then", losses=True),
     Mutant("restore-counter-below", "restore", "elseif tonumber(counter) < token then", "elseif false then"),
     # -- due checks
     Mutant("acquire-live-lease", "acquire", "if expire_at > now then", "if false then"),
@@ -162,6 +163,9 @@ NOT_CAUGHT_YET = {
     "acquire-copy-from-before-handoff": "not reached in this run (a copy after the replacement's lease ran out)",
     "store-no-lease-older-token": "not reached in this run (an older owner's write over a fenced result)",
     "renew-running": "not reached in this run (a renewal of a lease given up or requeued)",
+    "store-data-lost-write-back": "not reached in this run (an owner's write on its own lease written back given "
+    "up after a loss); test_protocol_model.py's replayed a-taken-over-owner-writes-back-its-lease-given-up-after-"
+    "flushdb reaches it",
     "renew-older-token-lease": "not reached in this run (a newer owner's renewal over an older write-back)",
     "restore-finished-fence": "not reached in this run (a write-back after a finished result survived)",
     "restore-renewed-a-ttl-ago": "not reached in this run (a write-back exactly a TTL after the renewal)",
@@ -267,7 +271,10 @@ def test_the_mutant_is_found_in_the_source(mutant: Mutant) -> None:
 @pytest.mark.parametrize(
     "mutant",
     [
-        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="not caught within the budget"))
+        # Not strict: whether a run of the budget's size reaches these guards changes with the
+        # tokens the server's clock gives (and so the sequences the machine takes): some runs
+        # catch them, some do not. Each is listed with what would reach it.
+        pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="not caught reliably within the budget"))
         if m.name in NOT_CAUGHT_YET and not os.environ.get("FENCED_MUTANT_ALL")
         else m
         for m in MUTANTS

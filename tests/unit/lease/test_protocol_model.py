@@ -223,12 +223,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         if not owner.believes_live or (lapsed and not owner.expired):
             self.count("restore", "not-asked")
             return
-        newest = self.model.truth[owner.task_id].newest
-        if lapsed and not self.holes_open and newest is not None and newest.token > owner.token:
-            # The known hole (HOLES): an owner taken over writes back its vanished lease given
-            # up, and its own late write lands on it. Pinned by its counterexample instead.
-            self.count("restore", "hole-skipped")
-            return
         code = self.store.restore(
             owner.task_id,
             owner.owner_id,
@@ -892,13 +886,6 @@ HOLES = [
             ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
         ],
         id="a-taken-over-owner-writes-back-its-lease-given-up-after-flushdb",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=violation_class("stale-write-landed"),
-            reason="restore.lua writes a lapsed lease back for any token when none is there, and "
-            "store.lua lets its owner's write land on it (LAPSED), before the newer owner's "
-            "heartbeat writes its own back",
-        ),
     ),
     pytest.param(
         [

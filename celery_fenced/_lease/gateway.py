@@ -322,6 +322,8 @@ class ScriptSet:
         # -- a receiving worker's liveness and reservations
         #: The reservations made due.
         self.lapse_reserved: LeaseScript[int] = load("lapse_reserved")
+        #: The entries removed from a worker's reservations.
+        self.unreserve: LeaseScript[int] = load("unreserve")
         #: The time the record holds until, ms.
         self.worker_alive: LeaseScript[int] = load("worker_alive")
         #: The records removed (0 or 1).

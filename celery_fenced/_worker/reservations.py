@@ -125,6 +125,7 @@ class ReservationWriter:
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
+        self._unreserve_failing: str | None = None
         self._written_through: LeaseStore | None = None  # the writing thread's store, once used
         self._takeovers: dict[str, int] = {}
         self._behind: set[str] = set()  # unstarted copies of tasks whose old owner runs here
@@ -381,13 +382,17 @@ class ReservationWriter:
                 store = self._written_through = self._store()
                 store.unreserve(batch, self.worker_id)
             except Exception as exc:
-                logger.warning(
-                    "could not take %d ended requests out of this worker's reservations (%s: %s): they "
-                    "stay listed there until they are due, or the worker stops",
-                    len(batch),
-                    type(exc).__name__,
-                    exc,
-                )
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._unreserve_failing:  # an outage is said once
+                    logger.warning(
+                        "could not take %d ended requests out of this worker's reservations (%s): they "
+                        "stay listed there until they are due, or the worker stops",
+                        len(batch),
+                        text,
+                    )
+                    self._unreserve_failing = text
+            else:
+                self._unreserve_failing = None
 
     def _pass_on(self, request: Any, reservation: Reservation, passed_by: list[str]) -> None:
         """Send a copy of a re-sent message this worker cannot start (its old owner holds a

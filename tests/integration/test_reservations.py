@@ -1,4 +1,5 @@
-"""Nothing lost between send and start: a message a worker received and dropped is sent again.
+"""Nothing lost between send and start: a message a worker received and dropped is sent again;
+and nothing left behind: every way a reserved request ends takes it out of its worker's reserved set.
 
 Each worker here prefetches (``worker_prefetch_multiplier=4``, prefetch not disabled), so the
 messages it received wait in its buffer behind a running task: exactly what Celery drops on

@@ -5,6 +5,10 @@
 restart), on a connection of the calling thread's own (:class:`ThreadConnections`), or where the
 process's threads are greenlets (gevent's patching, the gevent pool) on the client's pool
 (:class:`PooledConnections`).
+
+:data:`NEEDED_COMMANDS` are the commands the scripts cannot work without that a restricted Redis
+user may lack; :func:`denied_redis_commands` finds those a user may not run, in one round trip,
+for the worker's and beat's checks at start and the reaper's failure lines.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import ConnectionError, NoPermissionError, NoScriptError, RedisError, ResponseError, TimeoutError
 
 from .._celery.compat import is_connected
 from . import scripts
@@ -31,6 +35,7 @@ except ImportError:  # redis-py without hiredis: its own packer
     _pack_command = None
 
 __all__ = [
+    "NEEDED_COMMANDS",
     "NO_RETRY",
     "Arg",
     "Code",
@@ -41,6 +46,8 @@ __all__ = [
     "ScriptSet",
     "Table",
     "ThreadConnections",
+    "denied_commands_text",
+    "denied_redis_commands",
     "threads_are_greenlets",
 ]
 
@@ -229,6 +236,44 @@ class Retry:
 NO_RETRY = Retry()
 
 
+#: The commands the lease scripts cannot work without that a restricted Redis user (an ACL, a
+#: managed service) may lack, each with a harmless call that tells whether the user may run it
+#: (a denied one answers NOPERM), and what needs it.
+NEEDED_COMMANDS = (
+    (("INFO", "replication"), "INFO", "the scripts that hand out fencing tokens read the server's replication id"),
+    (("TIME",), "TIME", "the scripts read the server's clock"),
+    (("EVALSHA", "0" * 40, 0), "EVALSHA", "every lease change is a script run by its SHA"),
+    (("SCRIPT", "LOAD", "return 0"), "SCRIPT|LOAD", "a script missing from the server's cache is loaded again"),
+    (("WAIT", 0, 0), "WAIT", "a new token epoch waits for the replicas"),
+)
+
+
+def denied_redis_commands(client: Any) -> list[tuple[str, str]]:
+    """The commands fenced tasks need that the Redis user of ``client`` may not run, each with
+    what needs it; none when Redis cannot be reached (one round trip)."""
+    try:
+        pipe = client.pipeline(transaction=False)
+        for call, _, _ in NEEDED_COMMANDS:
+            pipe.execute_command(*call)
+        replies = pipe.execute(raise_on_error=False)
+    except RedisError:
+        return []
+    return [
+        (command, why)
+        for (_, command, why), reply in zip(NEEDED_COMMANDS, replies, strict=True)
+        if isinstance(reply, NoPermissionError)
+    ]
+
+
+def denied_commands_text(denied: Sequence[tuple[str, str]]) -> str:
+    """What :func:`denied_redis_commands` found, in words: the commands, what needs them, and
+    the fix (``the lease Redis user may not run INFO (…): grant it (ACL SETUSER <user> +info)``)."""
+    names = ", ".join(command for command, _ in denied)
+    reasons = "; ".join(why for _, why in denied)
+    grant = " ".join("+" + command.lower() for command, _ in denied)
+    return f"the lease Redis user may not run {names} ({reasons}): grant it (ACL SETUSER <user> {grant})"
+
+
 class LeaseScript(Generic[R]):
     """One script on one Redis client: run by SHA, loaded again after ``NoScriptError``;
     ``R`` is what it answers.
@@ -322,6 +367,8 @@ class ScriptSet:
         # -- a receiving worker's liveness and reservations
         #: The reservations made due.
         self.lapse_reserved: LeaseScript[int] = load("lapse_reserved")
+        #: The entries removed from a worker's reservations.
+        self.unreserve: LeaseScript[int] = load("unreserve")
         #: The time the record holds until, ms.
         self.worker_alive: LeaseScript[int] = load("worker_alive")
         #: The records removed (0 or 1).

@@ -139,12 +139,25 @@ class LeaseStore:
         codes = self.retry(self.scripts.reserve, keys, args)
         return [outcome(ReserveOutcome, "reserve", code) for code in codes]
 
-    def lapse_reserved(self, task_ids: Iterable[str], reserved_by: str) -> int:
-        """Make the reservations ``reserved_by`` still holds for ``task_ids`` due now; how many."""
-        keys = [self.keys.index] + [self.keys.lease(_require_task_id(task_id)) for task_id in task_ids]
-        if len(keys) == 1:
+    def lapse_reserved(self, task_ids: Iterable[str], reserved_by: str, worker_id: str | None = None) -> int:
+        """Make the reservations ``reserved_by`` still holds for ``task_ids`` due now; how many.
+
+        Each leaves the reservations of ``worker_id`` (the hostname when not given): the worker
+        holds none of them any more.
+        """
+        leases = [self.keys.lease(_require_task_id(task_id)) for task_id in task_ids]
+        if not leases:
             return 0
+        keys = [self.keys.index, self.keys.reserved_by(worker_id or reserved_by), *leases]
         return int(self.retry(self.scripts.lapse_reserved, keys, [reserved_by]))
+
+    def unreserve(self, task_ids: Iterable[str], worker_id: str) -> int:
+        """The requests of ``task_ids`` that ``worker_id`` (one start of a worker) reserved ended
+        there: their entries leave its reservations (``unreserve.lua``). How many did."""
+        leases = [self.keys.lease(_require_task_id(task_id)) for task_id in task_ids]
+        if not leases:
+            return 0
+        return int(self.retry(self.scripts.unreserve, [self.keys.reserved_by(worker_id)], leases))
 
     # -- owner side ---------------------------------------------------------------------
 

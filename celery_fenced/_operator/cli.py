@@ -91,7 +91,9 @@ LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
 
 @fenced.command()
 @click.option("--limit", default=200, show_default=True, help="Most leases listed.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per lease instead of a table.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON array instead of a table: an object per lease ([] for none)."
+)
 @click.option("--all", "show_all", is_flag=True, help="Every state below, not only the live ones.")
 @click.option(
     "--state",
@@ -105,7 +107,8 @@ LIVE_STATES = ("RUNNING", "STALLED", "RESERVED")
     "--workers",
     "show_workers",
     is_flag=True,
-    help="The workers' liveness records instead: worker, pid, reservations held, seconds left.",
+    help="The workers' liveness records instead: worker, pid, reservations held, seconds left (--json: an "
+    "array, an object per worker).",
 )
 @click.pass_context
 def status(
@@ -135,8 +138,7 @@ def status(
         ]
     rows = rows[:limit]
     if as_json:
-        for state in rows:
-            click.echo(json.dumps(lease_row(state, now)))
+        click.echo(json.dumps([lease_row(state, now) for state in rows]))
         return
     click.echo(table(LEASE_HEADERS, [lease_cells(lease_row(state, now)) for state in rows]))
     click.echo(f"{len(rows)} lease(s)")
@@ -146,8 +148,7 @@ def _print_workers(store: LeaseStore, as_json: bool) -> None:
     now = store.server_time_ms()
     rows = [worker_row(worker_id, until, reserved, now) for worker_id, until, reserved in store.liveness.workers()]
     if as_json:
-        for row in rows:
-            click.echo(json.dumps(row))
+        click.echo(json.dumps(rows))
         return
     click.echo(table(WORKER_HEADERS, [worker_cells(row) for row in rows]))
     click.echo(f"{len(rows)} worker(s)")

@@ -59,7 +59,8 @@ def _left(until_ms: int, now_ms: int) -> float:
 
 
 def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
-    """One lease as ``status --json`` prints it: ages and times left in seconds at ``now_ms``."""
+    """One lease as ``status --json`` prints it (an element of its array): ages and times left in
+    seconds at ``now_ms``."""
     ended = state.status in ("DONE", "ABANDONED")
     reserved = state.status == "RESERVED"
     return {
@@ -95,7 +96,7 @@ def lease_cells(row: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def worker_row(worker_id: str, until_ms: int, reserved: int, now_ms: int) -> dict[str, Any]:
-    """One worker's liveness record as ``status --workers --json`` prints it."""
+    """One worker's liveness record as ``status --workers --json`` prints it (one element of its array)."""
     parts = worker_id.rsplit("/", 2)  # "<hostname>/<pid>/<start>"
     return {
         "worker": worker_id,

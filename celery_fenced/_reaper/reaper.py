@@ -31,15 +31,17 @@ from celery import Celery, Task, states
 from celery.result import EagerResult
 from celery.signals import beat_embedded_init, beat_init
 from celery.utils import uuid
+from redis.exceptions import ResponseError
 
 from .. import signals
 from .._celery.apps import first_time, record_of
 from .._celery.compat import outside_any_task
 from .._celery.headers import HANDED_OFF_BY_HEADER, PASSED_ON_HEADER, PUBLISH_ID_HEADER
 from .._celery.startup import exit_in_one_line
+from .._lease.gateway import denied_commands_text, denied_redis_commands
 from .._lease.liveness_store import hostname_of
 from .._lease.state import ClaimOutcome, ClaimResult, LeaseState
-from .._lease.store import lease_store_of
+from .._lease.store import is_fenced, lease_store_of
 from .._telemetry import events, tracing
 from .._telemetry.process import TELEMETRY
 from ..conf import DEFAULTS, add_defaults, ensure_conf
@@ -52,6 +54,7 @@ __all__ = [
     "SCHEDULE_NAME",
     "ReapReport",
     "ReapTask",
+    "failure_text",
     "install",
     "reap",
     "register_reaper_task",
@@ -345,13 +348,30 @@ class ReapTask(Task):
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != ReapTask._failing:
-                logger.warning("reaper pass in beat failed (%s); beat tries again at its next tick", text)
+                logger.warning(
+                    "reaper pass in beat failed (%s); beat tries again at its next tick", failure_text(self.app, exc)
+                )
                 ReapTask._failing = text
         else:
             if ReapTask._failing is not None:
                 logger.warning("reaper passes in beat work again")
                 ReapTask._failing = None
         return EagerResult(task_id or uuid(), claimed, states.SUCCESS)
+
+
+def failure_text(app: Celery, exc: BaseException) -> str:
+    """What a reaper pass that raised ``exc`` logs: the error and, for an error Redis answered,
+    the commands the lease Redis user may not run and how to grant them (a script that runs a
+    denied command fails naming only the script)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ResponseError):
+        try:
+            denied = denied_redis_commands(app.backend.client)
+        except Exception:  # the reason is the error itself; the look is only a hint
+            denied = []
+        if denied:
+            text += f"; {denied_commands_text(denied)}"
+    return text
 
 
 def register_reaper_task(app: Celery) -> None:
@@ -371,6 +391,7 @@ def register_reaper_task(app: Celery) -> None:
         bind=False,
     )(run_reaper)
     beat_init.connect(_beat_runs_here, weak=False, dispatch_uid="celery_fenced.beat_runs_here")
+    beat_init.connect(_check_redis_at_beat_start, weak=False, dispatch_uid="celery_fenced.beat_checks_redis")
     beat_embedded_init.connect(_beat_runs_here, weak=False, dispatch_uid="celery_fenced.beat_embedded_runs_here")
 
 
@@ -379,6 +400,30 @@ def _beat_runs_here(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None:
         record_of(app).done.add("runs beat")
+
+
+def _check_redis_at_beat_start(sender: Any = None, **_: Any) -> None:
+    """Beat starts with ``celery_fenced.reap`` on its schedule: as a worker does at its start,
+    stop with one line naming the commands the lease Redis user may not run and the fix,
+    rather than fail every pass. A Redis that cannot be reached yet is not checked (it may
+    come back; each pass says so)."""
+    app = getattr(sender, "app", None)
+    if app is None or not _reaps_in(sender) or not is_fenced(app):
+        return
+    denied = denied_redis_commands(app.backend.client)
+    if denied:
+        with exit_in_one_line():
+            raise ConfigurationError(f"{denied_commands_text(denied)}; beat runs {REAP_TASK_NAME} with this user")
+
+
+def _reaps_in(service: Any) -> bool:
+    """Whether a beat service's schedule runs ``celery_fenced.reap``."""
+    try:
+        entries = service.scheduler.schedule.values()
+        return any(getattr(entry, "task", None) == REAP_TASK_NAME for entry in entries)
+    except Exception:  # a scheduler that cannot list its entries here: not checked
+        logger.debug("could not read beat's schedule", exc_info=True)
+        return False
 
 
 #: The beat schedule entry ``install()`` adds.

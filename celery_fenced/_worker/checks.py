@@ -15,10 +15,11 @@ import logging
 from typing import Any
 
 from celery import Celery
-from redis.exceptions import NoPermissionError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from .._celery.apps import first_time
 from .._celery.compat import GEVENT_POOL_CANNOT_DISABLE_PREFETCH, active_apps, registered_tasks
+from .._lease.gateway import denied_commands_text, denied_redis_commands
 from .._lease.store import is_fenced, lease_store_of
 from ..conf import ensure_conf
 from ..exceptions import ConfigurationError
@@ -28,7 +29,6 @@ __all__ = [
     "UNSUPPORTED_POOLS",
     "check_redis_commands",
     "check_worker",
-    "denied_redis_commands",
     "lease_redis_reachable",
     "pool_kind_of",
     "warn_if_redis_can_evict",
@@ -107,35 +107,6 @@ def check_worker(app: Celery, pool_cls: Any) -> None:
             conf.policy_for(task)
 
 
-#: The commands fenced tasks cannot work without that a restricted Redis user (an ACL, a
-#: managed service) may lack, each with a harmless call that tells whether the user may run it
-#: (a denied one answers NOPERM), and what needs it.
-_NEEDED_COMMANDS = (
-    (("INFO", "replication"), "INFO", "the scripts that hand out fencing tokens read the server's replication id"),
-    (("TIME",), "TIME", "the scripts read the server's clock"),
-    (("EVALSHA", "0" * 40, 0), "EVALSHA", "every lease change is a script run by its SHA"),
-    (("SCRIPT", "LOAD", "return 0"), "SCRIPT|LOAD", "a script missing from the server's cache is loaded again"),
-    (("WAIT", 0, 0), "WAIT", "a new token epoch waits for the replicas"),
-)
-
-
-def denied_redis_commands(client: Any) -> list[tuple[str, str]]:
-    """The commands fenced tasks need that the Redis user of ``client`` may not run, each with
-    what needs it; none when Redis cannot be reached."""
-    try:
-        pipe = client.pipeline(transaction=False)
-        for call, _, _ in _NEEDED_COMMANDS:
-            pipe.execute_command(*call)
-        replies = pipe.execute(raise_on_error=False)
-    except RedisError:
-        return []
-    return [
-        (command, why)
-        for (_, command, why), reply in zip(_NEEDED_COMMANDS, replies, strict=True)
-        if isinstance(reply, NoPermissionError)
-    ]
-
-
 def check_redis_commands(app: Celery) -> None:
     """Refuse to start, naming the commands, when the lease Redis user may not run one that
     fenced tasks need (``docs/guarantees.rst``, "A restricted Redis").
@@ -149,12 +120,7 @@ def check_redis_commands(app: Celery) -> None:
         return
     denied = denied_redis_commands(app.backend.client)
     if denied:
-        names = ", ".join(command for command, _ in denied)
-        reasons = "; ".join(why for _, why in denied)
-        raise ConfigurationError(
-            f"the lease Redis user may not run {names} ({reasons}): grant it "
-            f"(ACL SETUSER <user> {' '.join('+' + command.lower() for command, _ in denied)})"
-        )
+        raise ConfigurationError(denied_commands_text(denied))
 
 
 def lease_redis_reachable(app: Celery) -> bool:

@@ -28,6 +28,7 @@ from celery import bootsteps
 
 from .._celery.compat import hold_back_consumer, maintain_pool, pool_processes
 from .._celery.startup import exit_in_one_line
+from .._lease.gateway import denied_redis_commands
 from .._lease.liveness_store import worker_id_of
 from .._lease.store import is_fenced
 from .._reaper.reaper import REAP_COMMAND, REAP_TASK_NAME
@@ -37,7 +38,6 @@ from .attempt import begin, skip
 from .checks import (
     check_redis_commands,
     check_worker,
-    denied_redis_commands,
     lease_redis_reachable,
     pool_kind_of,
     warn_if_redis_can_evict,

@@ -564,7 +564,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
     attempt.hold(lease, heartbeat)
     set_current_lease(lease)
     heartbeat.register(lease)
-    # A takeover is news; a first acquire is every task (Celery already logs it at INFO).
+    # A takeover or a retry is news; a first acquire is every task (Celery already logs it at INFO).
     logger.log(
         logging.INFO if result.previous_status else logging.DEBUG,
         "lease acquired: task %s[%s] token=%s attempt=%s%s",
@@ -572,7 +572,7 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         request.id,
         lease.token,
         lease.attempt,
-        f" (takeover of a {result.previous_status} lease)" if result.previous_status else "",
+        _what_came_before(result.previous_status, request),
     )
     if result.previous_status:
         # A takeover is news: Flower learns the new, higher token at once (and from then on
@@ -589,6 +589,16 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         takeover=bool(result.previous_status),
     )
     return lease
+
+
+def _what_came_before(previous_status: str, request: Any) -> str:
+    """The end of the "lease acquired" line: a retry is called a retry (its earlier attempt
+    asked for it: ``self.retry()``, ``autoretry_for``), a takeover a takeover."""
+    if not previous_status:
+        return ""
+    if previous_status == LeaseStatus.RETRYING:
+        return f" (retry {getattr(request, 'retries', None) or '?'} of the task, not a takeover)"
+    return f" (takeover of a {previous_status} lease)"
 
 
 def release(task: Any, request: Any, state: str | None) -> None:

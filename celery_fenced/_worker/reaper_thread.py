@@ -30,7 +30,7 @@ import random
 from celery import Celery
 
 from .._lease.store import lease_store_of
-from .._reaper.reaper import reap
+from .._reaper.reaper import failure_text, reap
 from ..conf import ensure_conf
 from .fork_guard import FORK_GUARD
 from .loop import TickLoop
@@ -81,7 +81,9 @@ class ReaperThread:
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._failing:
-                logger.warning("reaper pass failed (%s); retrying every %gs", text, self.interval)
+                logger.warning(
+                    "reaper pass failed (%s); retrying every %gs", failure_text(self.app, exc), self.interval
+                )
                 self._failing = text
             return
         if self._failing is not None:

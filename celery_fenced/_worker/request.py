@@ -46,7 +46,8 @@ def cancelled_here(task_id: str) -> bool:
 
 class FencedRequest(ContextHookRequest):
     """Celery's worker request; its context also carries the pid of the process running it,
-    and a process accepting it ends the worker's hold on its reservation."""
+    and every way it ends (a process accepting it, a revoke or expiry before that, a reject)
+    ends the worker's hold on its reservation."""
 
     def on_accepted(self, pid: Any, time_accepted: float) -> None:
         """Celery's handler of a process accepting the task; the reservation is no longer held."""
@@ -54,6 +55,24 @@ class FencedRequest(ContextHookRequest):
         writer = reservation_writer_of(self.task.app)
         if writer is not None:
             writer.started(self.id)
+
+    def revoked(self) -> bool:
+        """Celery's check, before the request goes to the pool, that it was not revoked and has
+        not expired; one that was ends here, unstarted: its reservation is no longer held."""
+        if not super().revoked():
+            return False
+        writer = reservation_writer_of(self.task.app)
+        if writer is not None:
+            writer.ended(self.id)
+        return True
+
+    def reject(self, requeue: bool = False) -> None:
+        """Celery rejects the message (perhaps before any process started it: an eta it cannot
+        read); the reservation is no longer held."""
+        super().reject(requeue=requeue)
+        writer = reservation_writer_of(self.task.app)
+        if writer is not None:
+            writer.ended(self.id)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         """Celery's failure handler; a lost process's task first gets a reservation due now."""

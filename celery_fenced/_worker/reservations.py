@@ -14,7 +14,14 @@ sends again any whose task did not start in time (cause ``unstarted``).
   with one script call (:meth:`~celery_fenced._lease.store.LeaseStore.reserve_many`). Most tasks,
   where a process is free, start first: they cost neither a round trip nor a wake-up of that
   thread, and no task process waits on the write.
-* :meth:`ReservationWriter.started` forgets a request a process accepted.
+* Every way a received request ends on this worker takes its entry out of the worker's
+  reservations (``fenced:reserved:<worker id>``), so the set holds only what the worker still
+  holds: a process accepting it (:meth:`ReservationWriter.started`: a prefetched, eta or
+  rate-limited request alike, once it reaches the pool), a revoke or an expiry before it started,
+  a reject (:meth:`ReservationWriter.ended`). Only a request whose reservation was written
+  costs a round trip, made by the writing thread, one per batch (``unreserve.lua``); a lost
+  connection's dropped requests leave with :meth:`ReservationWriter.dropped`, and the worker's
+  shutdown removes the whole set (``worker_left.lua``).
 * A re-sent message received while the task's old owner still holds a process of this worker
   (a stalled owner whose body did not return) is not kept waiting behind it: if no process
   started it within :data:`GATHER` seconds, the writing thread sends it on (once per worker,
@@ -68,6 +75,9 @@ LOOK_OVERDUE = 1.0
 #: The most unstarted reservations a worker remembers for a reconnect (the oldest go first).
 MAX_HELD = 100_000
 
+#: What wakes the writing thread for the requests that ended (:meth:`ReservationWriter.ended`).
+_UNRESERVE = "unreserve"
+
 #: Seconds a worker waits, held back, before it passes a message on: its last fetch (a Redis
 #: BRPOP waits up to the transport's ``brpop_timeout``, 1 s by default) is over by then.
 PASS_ON_MARGIN = 0.25
@@ -104,13 +114,18 @@ class ReservationWriter:
         self.looks = 0  # looks the timer ran
         self._hub = hub
         # Batches to write, and copies to pass on (request, reservation, the workers that did).
-        self._queue: queue.SimpleQueue[list[Any] | tuple[Any, Reservation, list[str]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Any] | tuple[Any, Reservation, list[str]] | str | None] = (
+            queue.SimpleQueue()
+        )
         self._held: dict[str, None] = {}  # reserved here and not started: insertion order
+        self._written: dict[str, None] = {}  # of those, the ones in this worker's reserved set
+        self._ended: list[str] = []  # ended here: their entries are to leave the set
         self._arrived: deque[tuple[float, Any]] = deque()  # (received at, request), oldest first
         self._look_at: float | None = None  # when the scheduled look at them is due (monotonic)
         self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
+        self._unreserve_failing: str | None = None
         self._written_through: LeaseStore | None = None  # the writing thread's store, once used
         self._takeovers: dict[str, int] = {}
         self._behind: set[str] = set()  # unstarted copies of tasks whose old owner runs here
@@ -135,10 +150,26 @@ class ReservationWriter:
         self._look_after(GATHER)
 
     def started(self, task_id: str) -> None:
-        """A process accepted the task: its reservation is no longer this worker's to drop."""
+        """A process accepted the task: its reservation is no longer this worker's to drop,
+        and leaves the worker's reservations."""
+        self._end(task_id)
+
+    def ended(self, task_id: str) -> None:
+        """The request ended before a process started it (revoked, expired, rejected): its
+        reservation leaves the worker's reservations."""
+        self._end(task_id)
+
+    def _end(self, task_id: str) -> None:
         with self._held_lock:
             self._held.pop(task_id, None)
             self._behind.discard(task_id)
+            if task_id not in self._written:
+                return  # never written (most tasks start at once): nothing to take out
+            del self._written[task_id]
+            self._ended.append(task_id)
+            if len(self._ended) > 1:
+                return  # the writing thread was woken for the first, and takes them all
+        self._queue.put(_UNRESERVE)
 
     def look(self) -> None:
         """Hand the requests that waited :data:`GATHER` seconds unstarted to the writing thread.
@@ -212,11 +243,12 @@ class ReservationWriter:
         reservations due now, so the reaper sends them again at once. Returns how many."""
         with self._held_lock:
             task_ids, self._held = list(self._held), {}
+            self._written.clear()  # the script takes them out of the worker's reservations
         if not task_ids:
             return 0
         try:
             store = self._store()
-            count = store.lapse_reserved(task_ids, self.hostname)
+            count = store.lapse_reserved(task_ids, self.hostname, self.worker_id)
         except Exception as exc:
             logger.warning(
                 "could not make %d dropped reservations due (%r): they are sent again after fenced_start_timeout",
@@ -242,6 +274,7 @@ class ReservationWriter:
         """
         with self._held_lock:
             self._held.pop(request.id, None)
+            self._written.pop(request.id, None)  # made due below: the script takes it out
         with FORK_GUARD:
             reservation = self._reservation(request)
         if reservation is None:
@@ -286,6 +319,7 @@ class ReservationWriter:
                 self._write(waiting[start : start + MAX_BATCH])
             for request, reservation, passed_by in passing:
                 self._pass_on(request, reservation, passed_by)
+            self._unreserve()
         if self._written_through is not None:
             # The backend of this thread (Celery keeps one per thread) is not used again.
             with contextlib.suppress(Exception):
@@ -304,6 +338,16 @@ class ReservationWriter:
                 request.id: _passed_on_by(request_context(request)) for request in requests if request.id in behind
             }
         outcomes = self._reserve(reservations) if reservations else []
+        with self._held_lock:
+            for reservation, outcome in zip(reservations, outcomes, strict=False):
+                if outcome != ReserveOutcome.RESERVED:
+                    continue
+                if reservation.task_id in self._held:
+                    self._written[reservation.task_id] = None
+                    if len(self._written) > MAX_HELD:
+                        del self._written[next(iter(self._written))]
+                else:  # started, revoked or rejected while it was written: out again
+                    self._ended.append(reservation.task_id)
         if not outcomes:  # not written: whether it is a re-send is unknown, and it stays here
             with self._held_lock:
                 for task_id in passed:
@@ -327,6 +371,28 @@ class ReservationWriter:
             )
             timer.daemon = True
             timer.start()
+
+    def _unreserve(self) -> None:
+        """Take the entries of the requests that ended here out of the worker's reservations."""
+        with self._held_lock:
+            ended, self._ended = self._ended, []
+        for start in range(0, len(ended), MAX_BATCH):
+            batch = ended[start : start + MAX_BATCH]
+            try:
+                store = self._written_through = self._store()
+                store.unreserve(batch, self.worker_id)
+            except Exception as exc:
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._unreserve_failing:  # an outage is said once
+                    logger.warning(
+                        "could not take %d ended requests out of this worker's reservations (%s): they "
+                        "stay listed there until they are due, or the worker stops",
+                        len(batch),
+                        text,
+                    )
+                    self._unreserve_failing = text
+            else:
+                self._unreserve_failing = None
 
     def _pass_on(self, request: Any, reservation: Reservation, passed_by: list[str]) -> None:
         """Send a copy of a re-sent message this worker cannot start (its old owner holds a

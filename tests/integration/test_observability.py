@@ -50,7 +50,7 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     for column in ("TASK ID", "NAME", "OWNER", "TOKEN", "STAGE", "SINCE PROGRESS", "LEFT", "ATTEMPT"):
         assert column in header
     assert "RUNNING" in row and "load-data" in row and "w1@" in row
-    [as_json] = [json.loads(line) for line in cluster.cli("status", "--json").stdout.splitlines()]
+    [as_json] = json.loads(cluster.cli("status", "--json").stdout)
     token = int(cluster.results.get(KEYS.token))  # type: ignore[arg-type]  # the one handed out
     assert as_json["task_id"] == result.id and as_json["token"] == token and as_json["seconds_left"] > 0
     wait_until(lambda: lease(cluster, result.id).get("details"), 10, "the first details to be published")

@@ -44,7 +44,7 @@ def test_dead_letters_are_listed_counted_and_redriven_at_once(cluster: Cluster) 
     rows = [line for line in listed.stdout.splitlines() if line.split()[:1] and line.split()[0] in ids]
     assert len(rows) == 2 and all(" ABANDONED " in row for row in rows)
     assert listed.stdout.strip().endswith("2 lease(s)")
-    as_json = [json.loads(line) for line in cluster.cli("status", "--state", "ABANDONED", "--json").stdout.splitlines()]
+    as_json = json.loads(cluster.cli("status", "--state", "ABANDONED", "--json").stdout)
     assert {row["task_id"] for row in as_json} == ids and all(row["status"] == "ABANDONED" for row in as_json)
     assert set(cluster.cli("status", "--all").stdout.split()) >= ids
     assert abandoned_gauge(cluster) == 2

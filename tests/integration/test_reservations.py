@@ -1,4 +1,5 @@
-"""Nothing lost between send and start: a message a worker received and dropped is sent again.
+"""Nothing lost between send and start: a message a worker received and dropped is sent again;
+and nothing left behind: every way a reserved request ends takes it out of its worker's reserved set.
 
 Each worker here prefetches (``worker_prefetch_multiplier=4``, prefetch not disabled), so the
 messages it received wait in its buffer behind a running task: exactly what Celery drops on
@@ -7,12 +8,15 @@ a lost broker connection and what a killed worker takes with it.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from datetime import datetime, timedelta
 
 import pytest
 
-from tests.integration.conftest import Cluster, lease, rabbitmq_url, stored
+from celery_fenced._celery.compat import UTC
+from tests.integration.conftest import KEYS, Cluster, lease, rabbitmq_url, stored
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.integration
@@ -174,3 +178,153 @@ def test_a_worker_killed_with_prefetched_messages_on_rabbitmq(cluster: Cluster) 
     if rabbitmq_url() is None:
         pytest.skip("needs FENCED_TEST_BROKER=rabbitmq (the broker-rabbitmq tox env) and a RabbitMQ on 127.0.0.1:5672")
     test_a_worker_killed_with_prefetched_messages_loses_none_of_them(cluster, pool="prefork", prefetched=3)
+
+
+# -- every way a reserved request ends removes it from its worker's reserved set -------------------
+
+#: Tasks of each kind. The issue that found the leak ran 1,000 of each; 200 quick ones of each
+#: kind keep the whole set of kinds within about two minutes on a loaded 2-core machine, and
+#: each kind's tasks still wait long enough in the worker (its prefetch buffer, rate-limit bucket
+#: or eta timer) to be reserved by the hundred. Tasks due at once leave a worker's eta timer at
+#: about 20 a second here, so 1,000 eta tasks of one kind alone would take about a minute.
+MANY = 200
+
+#: Rate-limited tasks. Celery 5.7 moves a rate-limited request to the pool about once a second
+#: once its bucket has a backlog, whatever the rate (seen with a plain Celery app too), so these
+#: are fewer: the first few dozen go at the rate, the rest one a second.
+RATE_LIMITED = 40
+
+#: A start timeout longer than the test: no reservation falls due, so none leaves the worker's
+#: set through the sweep of due entries (nor is sent again), only through the end of its request.
+HOLDING = dict(PREFETCH, worker_prefetch_multiplier=16, fenced_start_timeout=600)
+
+
+def reserved_entries(cluster: Cluster) -> int:
+    """The entries of every worker's reserved set (``fenced:reserved:<worker id>``)."""
+    return sum(int(cluster.results.zcard(key)) for key in cluster.results.scan_iter("fenced:reserved:*"))
+
+
+def ended(cluster: Cluster, task_ids: list[str], states: tuple[str, ...]) -> int:
+    """How many of the tasks have a result in one of ``states``."""
+    raws = cluster.results.mget([KEYS.result(task_id) for task_id in task_ids])
+    return sum(1 for raw in raws if raw and json.loads(raw)["status"] in states)
+
+
+def all_ended(cluster: Cluster, task_ids: list[str], states: tuple[str, ...], timeout: float) -> int:
+    """Wait until every task ended in one of ``states``; the most reserved entries seen meanwhile."""
+    seen = [0]
+
+    def done() -> bool:
+        seen[0] = max(seen[0], reserved_entries(cluster))
+        return ended(cluster, task_ids, states) == len(task_ids)
+
+    wait_until(done, timeout, f"{len(task_ids)} tasks to end in {states}")
+    return seen[0]
+
+
+def holds_nothing(cluster: Cluster) -> bool:
+    """The worker holds no request it has not started: none in its prefetch buffer or
+    rate-limit bucket (Celery's ``reserved``), none in its eta timer (``scheduled``)."""
+    inspect = cluster.app().app.control.inspect(timeout=1)
+    replies = [inspect.reserved() or {}, inspect.scheduled() or {}]
+    return all(len(reply) == 1 and not any(reply.values()) for reply in replies)
+
+
+def reserved_set_empties(cluster: Cluster) -> None:
+    """Once the worker holds no unstarted request (a revoked one is discarded only when it is
+    due), its reserved set empties, and ``status --workers`` shows 0 held."""
+    wait_until(lambda: holds_nothing(cluster), 30, "the worker to hold no unstarted request")
+    wait_until(lambda: reserved_entries(cluster) == 0, 10, "the reserved set to empty")
+    rows = json.loads(cluster.cli("status", "--workers", "--json").stdout)
+    assert [row["reserved"] for row in rows] == [0]
+
+
+def all_reserved(cluster: Cluster, task_ids: list[str]) -> None:
+    """Wait until every task is reserved by the worker (in its eta timer)."""
+    wait_until(
+        lambda: (
+            reserved_entries(cluster) == len(task_ids)
+            and all(lease(cluster, t).get("status") == "RESERVED" for t in task_ids)
+        ),
+        30,
+        f"{len(task_ids)} tasks reserved",
+    )
+
+
+def test_started_and_finished_requests_leave_the_reserved_set(cluster: Cluster) -> None:
+    """Quick tasks behind a prefetch buffer of 32: most wait there long enough to be reserved."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, **HOLDING)
+    ids = [app.steady.delay(1, 0.01).id for _ in range(MANY)]
+    seen = all_ended(cluster, ids, ("SUCCESS",), 120)
+    assert seen > 0  # they were reserved
+    reserved_set_empties(cluster)
+
+
+def test_rate_limited_requests_leave_the_reserved_set(cluster: Cluster) -> None:
+    """Each waits in the rate-limit bucket (``_limit_task``) before it is moved to the pool."""
+    app = cluster.app()
+    annotations = {app.steady.name: {"rate_limit": "50/s"}}
+    cluster.worker("w1", concurrency=2, task_annotations=annotations, **HOLDING)
+    ids = [app.steady.delay(1, 0.001).id for _ in range(RATE_LIMITED)]
+    seen = all_ended(cluster, ids, ("SUCCESS",), 120)
+    assert seen > 0
+    reserved_set_empties(cluster)
+
+
+def test_countdown_requests_leave_the_reserved_set(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, **HOLDING)
+    eta = datetime.now(UTC) + timedelta(seconds=6)
+    ids = [app.steady.apply_async((1, 0.001), eta=eta).id for _ in range(MANY)]
+    all_reserved(cluster, ids)
+    all_ended(cluster, ids, ("SUCCESS",), 120)
+    reserved_set_empties(cluster)
+
+
+def test_requests_revoked_before_they_started_leave_the_reserved_set(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, **HOLDING)
+    eta = datetime.now(UTC) + timedelta(seconds=8)
+    ids = [app.steady.apply_async((1, 0.001), eta=eta).id for _ in range(MANY)]
+    all_reserved(cluster, ids)
+    app.app.control.revoke(ids)
+    all_ended(cluster, ids, ("REVOKED",), 60)
+    assert not any(cluster.runs(t) for t in ids)
+    reserved_set_empties(cluster)
+
+
+def test_requests_expired_before_they_started_leave_the_reserved_set(cluster: Cluster) -> None:
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, **HOLDING)
+    now = datetime.now(UTC)
+    eta, expires = now + timedelta(seconds=8), now + timedelta(seconds=6)
+    ids = [app.steady.apply_async((1, 0.001), eta=eta, expires=expires).id for _ in range(MANY)]
+    all_reserved(cluster, ids)
+    all_ended(cluster, ids, ("REVOKED",), 60)
+    assert not any(cluster.runs(t) for t in ids)
+    reserved_set_empties(cluster)
+
+
+@pytest.mark.parametrize("requeue", [False, True], ids=["rejected", "rejected-and-requeued"])
+def test_rejected_requests_leave_the_reserved_set(cluster: Cluster, requeue: bool) -> None:
+    """``Reject`` from the body; put back, the message is received (and reserved) again."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2, **HOLDING)
+    ids = [app.rejecting.delay(requeue).id for _ in range(MANY)]
+    seen = all_ended(cluster, ids, ("SUCCESS",) if requeue else ("FAILURE",), 120)
+    assert seen > 0
+    reserved_set_empties(cluster)
+
+
+def test_a_worker_shut_down_with_reserved_requests_leaves_no_reserved_set(cluster: Cluster) -> None:
+    """A warm shutdown: the broker takes the unstarted messages back; the set goes with the worker."""
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=2, **HOLDING)
+    eta = datetime.now(UTC) + timedelta(seconds=60)
+    ids = [app.steady.apply_async((1, 0.001), eta=eta).id for _ in range(MANY)]
+    all_reserved(cluster, ids)
+    w1.stop()
+    assert w1.proc.returncode == 0, w1.log()[-3000:]
+    assert reserved_entries(cluster) == 0
+    assert json.loads(cluster.cli("status", "--workers", "--json").stdout) == []

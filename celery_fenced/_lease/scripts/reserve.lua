@@ -8,7 +8,8 @@
 --
 -- KEYS[1]    expiry index
 -- KEYS[2]    the worker's reservations: sorted set of lease key -> reservation due (ms), for
---            lapse_worker.lua; an entry already due leaves it (the index has it)
+--            lapse_worker.lua; an entry leaves it when its request ends on the worker
+--            (unreserve.lua, lapse_reserved.lua), or here once it is due (the index has it)
 -- KEYS[3..]  two per message: its lease hash, then Celery's result key
 -- ARGV[1]    reservedBy: the receiving worker's hostname
 -- then six values per message, in the order of its keys:

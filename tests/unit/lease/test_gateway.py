@@ -11,7 +11,16 @@ import pytest
 import redis
 
 from celery_fenced._celery.compat import is_connected
-from celery_fenced._lease.gateway import NO_RETRY, LeaseScript, Retry, ScriptSet, ThreadConnections, _packed
+from celery_fenced._lease.gateway import (
+    NO_RETRY,
+    LeaseScript,
+    Retry,
+    ScriptSet,
+    ThreadConnections,
+    _packed,
+    denied_commands_text,
+    denied_redis_commands,
+)
 from celery_fenced._lease.keys import KeySpace
 from celery_fenced._lease.scripts import SCRIPT_NAMES
 from celery_fenced._lease.state import AcquireOutcome
@@ -301,3 +310,29 @@ def test_retry_runs_a_call_again_only_after_one_of_its_errors() -> None:
     assert runs == ["call", "again", "call"]  # not run again
     with pytest.raises(redis.ConnectionError):
         NO_RETRY(down)
+
+
+def test_the_commands_a_restricted_user_may_not_run_are_named_with_the_fix(redis_server: Any) -> None:
+    """An ACL user without INFO and WAIT: both found in one round trip, and said in one line."""
+    user = "gateway-no-info-wait"
+    with redis_server.client() as admin:
+        admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all", "-info", "-wait")
+    try:
+        client = redis.Redis.from_url(redis_server.url(0).replace("redis://", f"redis://{user}:pw@", 1))
+        denied = denied_redis_commands(client)
+        client.close()
+        assert [command for command, _ in denied] == ["INFO", "WAIT"]
+        assert denied_commands_text(denied) == (
+            "the lease Redis user may not run INFO, WAIT (the scripts that hand out fencing tokens read the "
+            "server's replication id; a new token epoch waits for the replicas): grant it "
+            "(ACL SETUSER <user> +info +wait)"
+        )
+    finally:
+        with redis_server.client() as admin:
+            admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_redis_that_cannot_be_reached_denies_nothing() -> None:
+    client = redis.Redis(port=1, socket_connect_timeout=0.5)
+    assert denied_redis_commands(client) == []
+    client.close()

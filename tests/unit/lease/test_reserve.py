@@ -96,3 +96,22 @@ def test_the_first_start_of_a_task_sent_again_unstarted_is_no_takeover(store: Le
     claim(store, "t1")  # REQUEUED, cause unstarted
     result = acquire(store, owner="w1@host/1/a")  # the copy w1 held starts after all
     assert result.outcome == "new" and result.state.attempt == 1 and result.state.takeovers == 0
+
+
+def test_a_request_that_ended_leaves_its_workers_reservations(store: LeaseStore, redis_client: redis.Redis) -> None:
+    """unreserve.lua: only the entries named leave; the leases are left as they are."""
+    store.reserve_many([reservation("a"), reservation("b"), reservation("c")], "w1@host", "w1@host/1/x")
+    acquire(store, "a")  # started
+    assert store.unreserve(["a", "b", "missing"], "w1@host/1/x") == 2
+    members = redis_client.zrange(store.keys.reserved_by("w1@host/1/x"), 0, -1)
+    assert members == [store.keys.lease("c").encode()]
+    assert store.read("b").status == "RESERVED"  # type: ignore[union-attr]
+    assert store.unreserve([], "w1@host/1/x") == 0
+
+
+def test_dropped_reservations_leave_their_workers_reservations(store: LeaseStore, redis_client: redis.Redis) -> None:
+    store.reserve_many([reservation("a"), reservation("b")], "w1@host", "w1@host/1/x")
+    store.reserve_many([reservation("b")], "w2@host", "w2@host/1/y")  # received again elsewhere
+    assert store.lapse_reserved(["a", "b"], "w1@host", "w1@host/1/x") == 1
+    assert redis_client.zcard(store.keys.reserved_by("w1@host/1/x")) == 0
+    assert redis_client.zcard(store.keys.reserved_by("w2@host/1/y")) == 1

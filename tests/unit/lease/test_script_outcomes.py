@@ -17,6 +17,7 @@ NO_CODES = {
     "lapse_reserved",
     "take_tokens",
     "trace_context",
+    "unreserve",
     "worker_alive",
     "worker_left",
 }

@@ -40,9 +40,7 @@ def test_status_lists_the_live_leases_and_the_chosen_states(fenced_app: Celery) 
     assert listed.exit_code == 0, listed.output
     assert "s1" in listed.output and "RUNNING" in listed.output and "s2" not in listed.output
     assert listed.output.rstrip().endswith("1 lease(s)")
-    rows = [
-        json.loads(line) for line in run(fenced_app, "status", "--state", "abandoned", "--json").output.splitlines()
-    ]
+    rows = json.loads(run(fenced_app, "status", "--state", "abandoned", "--json").stdout)
     assert [(row["task_id"], row["status"]) for row in rows] == [("s2", "ABANDONED")]
 
 
@@ -176,7 +174,7 @@ def test_status_lists_finished_leases_by_state(fenced_app: Celery) -> None:
     owner = running(fenced_app, "f1")
     store.release("f1", "host/1/a", owner.owner_token, status=LeaseStatus.DONE)
     running(fenced_app, "f2")
-    done = [json.loads(line) for line in run(fenced_app, "status", "--state", "DONE", "--json").output.splitlines()]
+    done = json.loads(run(fenced_app, "status", "--state", "DONE", "--json").stdout)
     assert [(row["task_id"], row["status"]) for row in done] == [("f1", "DONE")]
     every = run(fenced_app, "status", "--all").output
     assert "f1" in every and "f2" in every and "DONE" in every
@@ -228,7 +226,7 @@ def test_status_lists_the_workers_liveness_records(fenced_app: Celery) -> None:
     store.liveness.worker_alive("w2@box/77/def", 1)  # gone without saying so: lapsed at once
     lapses_at = {worker_id: until for worker_id, until, _ in store.liveness.workers()}["w2@box/77/def"]
     wait_until(lambda: store.server_time_ms() > lapses_at, 5, "the record to lapse")
-    rows = [json.loads(line) for line in run(fenced_app, "status", "--workers", "--json").output.splitlines()]
+    rows = json.loads(run(fenced_app, "status", "--workers", "--json").stdout)
     assert [(r["hostname"], r["pid"], r["reserved"], r["alive"]) for r in rows] == [
         ("w2@box", 77, 0, False),
         ("w1@box", 4242, 2, True),
@@ -237,3 +235,58 @@ def test_status_lists_the_workers_liveness_records(fenced_app: Celery) -> None:
     table = run(fenced_app, "status", "--workers").output
     assert "lapsed: its reservations are sent again at the next reaper pass" in table
     assert table.rstrip().endswith("2 worker(s)")
+
+
+def json_of(app: Celery, *args: str) -> Any:
+    """What a ``--json`` command printed: its whole stdout, parsed as one JSON document."""
+    shown = run(app, *args)
+    assert shown.exit_code == 0, shown.output
+    return json.loads(shown.stdout)
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_status_json_is_one_array_whatever_it_lists(fenced_app: Celery, count: int) -> None:
+    """No lease is ``[]`` (not an empty output), one or many an object each, in every selection."""
+    store = fenced_app.backend.lease_store
+    for index in range(count):
+        running(fenced_app, f"live{index}")
+        owner = running(fenced_app, f"done{index}")
+        store.release(f"done{index}", "host/1/a", owner.owner_token, status=LeaseStatus.DONE)
+        owner = running(fenced_app, f"dead{index}", max_takeovers=0)
+        store.lapse(f"dead{index}", "host/1/a", owner.owner_token, mode="release")
+    reap(fenced_app)  # dead<i> are ABANDONED
+    selections = {
+        ("status",): "live",
+        ("status", "--state", "RUNNING"): "live",
+        ("status", "--state", "DONE"): "done",
+        ("status", "--state", "ABANDONED"): "dead",
+        ("status", "--state", "LAPSED"): None,  # none in any case
+    }
+    for args, prefix in selections.items():
+        rows = json_of(fenced_app, *args, "--json")
+        assert isinstance(rows, list), args
+        expected = [] if prefix is None else [f"{prefix}{index}" for index in range(count)]
+        assert sorted(row["task_id"] for row in rows) == expected, args
+    every = json_of(fenced_app, "status", "--all", "--json")
+    assert len(every) == 3 * count
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_status_workers_json_is_one_array_whatever_it_lists(fenced_app: Celery, count: int) -> None:
+    store = fenced_app.backend.lease_store
+    for index in range(count):
+        store.liveness.worker_alive(f"w{index}@box/{100 + index}/abc", 30_000)
+    rows = json_of(fenced_app, "status", "--workers", "--json")
+    assert isinstance(rows, list)
+    assert sorted((row["hostname"], row["pid"], row["reserved"]) for row in rows) == [
+        (f"w{index}@box", 100 + index, 0) for index in range(count)
+    ]
+
+
+def test_inspect_json_is_one_object_and_nothing_on_stdout_when_there_is_no_lease(fenced_app: Celery) -> None:
+    missing = run(fenced_app, "inspect", "nothing", "--json")
+    assert (missing.exit_code, missing.stdout) == (1, "")
+    assert missing.stderr.strip() == "Error: task nothing has no lease (unknown, or its lease expired)"
+    running(fenced_app, "one")
+    shown = json_of(fenced_app, "inspect", "one", "--json")
+    assert isinstance(shown, dict) and shown["status"] == "RUNNING" and shown["call"] == CALL

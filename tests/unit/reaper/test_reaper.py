@@ -168,3 +168,30 @@ def test_a_re_send_carries_no_earlier_pass_on(app: Celery) -> None:
     (message,) = queued(app, "reports")
     # The worker that passed the earlier copy on may pass this one on again.
     assert PASSED_ON_HEADER not in message["headers"]
+
+
+def test_a_failed_pass_names_the_commands_the_lease_redis_user_may_not_run(
+    app: Celery, redis_server: RedisServer
+) -> None:
+    """A script that runs a denied command fails naming only the script: the line adds which
+    command, and the fix. An error Redis did not answer (a lost connection) is said as it is."""
+    from redis.exceptions import ConnectionError, ResponseError
+
+    from celery_fenced._reaper.reaper import failure_text
+
+    user = "reaper-no-info"
+    with redis_server.client() as admin:
+        admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all", "-info")
+    try:
+        app.conf.result_backend = "fenced+" + redis_server.url(11).replace("redis://", f"redis://{user}:pw@", 1)
+        text = failure_text(app, ResponseError("The user executing the script can't run this command script: ab"))
+        assert text.startswith("ResponseError: The user executing the script can't run this command script: ab; ")
+        assert text.endswith(
+            "the lease Redis user may not run INFO (the scripts that hand out fencing tokens read "
+            "the server's replication id): grant it (ACL SETUSER <user> +info)"
+        )
+        assert failure_text(app, ConnectionError("gone")) == "ConnectionError: gone"
+        app.backend.client.close()
+    finally:
+        with redis_server.client() as admin:
+            admin.execute_command("ACL", "DELUSER", user)

@@ -5,6 +5,7 @@ delivery."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -75,8 +76,9 @@ def traced(fenced_app: Celery) -> Iterator[Celery]:
         runtime.stop()
 
 
-def _run(app: Celery, task: Any, task_id: str) -> Any:
-    """Run one delivery of ``task`` under ``task_id`` as a worker's pool process does."""
+def _run(app: Celery, task: Any, task_id: str, retries: int = 0) -> Any:
+    """Run one delivery of ``task`` under ``task_id`` as a worker's pool process does
+    (``retries``: Celery's count of the retries before it)."""
     message = {
         "id": task_id,
         "task": task.name,
@@ -85,7 +87,7 @@ def _run(app: Celery, task: Any, task_id: str) -> Any:
         "reply_to": "reply",
         "correlation_id": task_id,
         "root_id": task_id,
-        "retries": 0,
+        "retries": retries,
         "is_eager": False,
     }
     return build_tracer(task.name, task, app=app, hostname="w1@host")(task_id, [], {}, message)
@@ -174,3 +176,29 @@ def test_a_duplicate_delivery_runs_nothing_and_writes_nothing(traced: Celery, mo
     assert writes == []  # its STARTED included
     still = traced.backend.lease_store.read(task_id)
     assert still is not None and (still.status, still.owner_token) == ("RUNNING", owner.owner_token)
+
+
+def test_a_retry_is_called_a_retry_and_a_takeover_a_takeover_when_the_lease_is_acquired(
+    traced: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    @traced.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def retried_once(self: Any) -> None:
+        if not self.request.retries:
+            raise self.retry(countdown=100)
+
+    traced.finalize()
+    task = traced.tasks[retried_once.name]
+    task_id = str(uuid.uuid4())
+    _run(traced, task, task_id)  # stores RETRY: the lease waits RETRYING
+    with caplog.at_level(logging.INFO, logger="celery_fenced.worker.lifecycle"):
+        _run(traced, task, task_id, retries=1)  # the retry's delivery
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lease acquired")]
+    assert line.endswith("attempt=2 (retry 1 of the task, not a takeover)"), line
+    store = traced.backend.lease_store
+    owner = store.acquire("taken", "w1@host/1/a", ttl_ms=60_000, task_name=task.name, max_takeovers=3)
+    store.lapse("taken", "w1@host/1/a", owner.token, mode="release")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="celery_fenced.worker.lifecycle"):
+        _run(traced, task, "taken", retries=1)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lease acquired")]
+    assert line.endswith("attempt=2 (takeover of a LAPSED lease)"), line

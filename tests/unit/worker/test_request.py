@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from time import monotonic
 
 import pytest
@@ -24,11 +25,12 @@ from kombu.utils.json import dumps
 
 from celery_fenced import ProgressLeasedTask
 from celery_fenced._backend.backend import CANCELLED, PUT_BACK
-from celery_fenced._celery.compat import request_context
+from celery_fenced._celery.compat import UTC, request_context
 from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced._worker.request import FencedRequest, cancelled_here
 from celery_fenced._worker.reservations import ReservationWriter
 from celery_fenced._worker.runtime import runtime_of
+from tests.support.processes import wait_until
 
 HOSTNAME = "w1@host"
 
@@ -84,10 +86,10 @@ def worker_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         worker_state.task_ready(request)
 
 
-def received(app: Celery, task_name: str = "proj.report") -> FencedRequest:
+def received(app: Celery, task_name: str = "proj.report", expires: datetime | None = None) -> FencedRequest:
     """The worker request for a new message of ``task_name``, as the consumer builds it."""
     task = app.tasks[task_name]
-    sent = app.amqp.as_task_v2(str(uuid.uuid4()), task.name, args=(), kwargs={})
+    sent = app.amqp.as_task_v2(str(uuid.uuid4()), task.name, args=(), kwargs={}, expires=expires)
     message = Message(
         body=dumps(sent.body),
         content_type="application/json",
@@ -207,3 +209,34 @@ def test_a_process_accepting_the_task_ends_the_workers_hold_on_its_reservation(a
         writer.stop()  # a warm shutdown: what is held and not started is written
     assert app.backend.lease_store.read(started.id) is None
     assert app.backend.lease_store.read(waiting.id) is not None
+
+
+@pytest.mark.parametrize("end", ["revoked", "expired", "rejected"])
+def test_a_request_that_ends_unstarted_leaves_the_workers_reservations(app: Celery, end: str) -> None:
+    """Revoked or expired when Celery looks before the pool, or rejected: no process ever
+    accepts it, and its entry still leaves the worker's reserved set."""
+    runtime = runtime_of(app)
+    assert runtime is not None
+    runtime.reservations = writer = ReservationWriter(app, HOSTNAME)
+    expires = datetime.now(UTC) + timedelta(seconds=1) if end == "expired" else None
+    request, other = received(app, expires=expires), received(app)
+    store = app.backend.lease_store
+    held = store.keys.reserved_by(HOSTNAME)
+    writer.start()
+    try:
+        writer.received(request)
+        writer.received(other)
+        wait_until(lambda: store.client.zcard(held) == 2, 10, "both reservations written")
+        if end == "revoked":
+            worker_state.revoked.add(request.id)
+            assert request.revoked()
+        elif end == "expired":
+            wait_until(request.revoked, 5, "the request to expire")
+        else:
+            request.reject(requeue=False)
+        assert not other.revoked()  # a request that goes on is still held
+        wait_until(lambda: store.client.zcard(held) == 1, 10, "the ended request's entry to leave the set")
+        assert store.client.zrange(held, 0, -1) == [store.keys.lease(other.id).encode()]
+    finally:
+        worker_state.revoked.discard(request.id)
+        writer.stop()

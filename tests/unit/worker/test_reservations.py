@@ -159,3 +159,43 @@ def test_a_look_cancelled_with_the_loops_timer_is_scheduled_again_by_the_next_me
         assert status(app, first.id) == "RESERVED"  # the first one too: it was still unstarted
     finally:
         reservations.stop()
+
+
+def reserved_set(app: Celery, worker_id: str = "w1@host") -> set[str]:
+    """The task ids in the worker's reserved set (``fenced:reserved:<worker id>``)."""
+    store = app.backend.lease_store
+    return {store.keys.task_id_of(key) for key in store.client.zrange(store.keys.reserved_by(worker_id), 0, -1)}
+
+
+def test_a_written_reservation_leaves_the_workers_set_however_its_request_ends(
+    app: Celery, writer: tuple[ReservationWriter, Callable[[], None]]
+) -> None:
+    """Started (prefetched, eta or rate-limited alike), or ended unstarted (revoked, expired,
+    rejected): the set holds only what the worker still holds."""
+    reservations, run_timers = writer
+    started, revoked, waiting = received(app), received(app), received(app)
+    for request in (started, revoked, waiting):
+        reservations.received(request)
+
+    def written() -> bool:
+        run_timers()
+        return reserved_set(app) == {started.id, revoked.id, waiting.id}
+
+    wait_until(written, 10, "the three reservations")
+    reservations.started(started.id)
+    reservations.ended(revoked.id)
+    wait_until(lambda: reserved_set(app) == {waiting.id}, 10, "the ended requests to leave the set")
+    assert status(app, revoked.id) == "RESERVED"  # the lease is its result write's to change
+
+
+def test_a_request_that_ends_while_its_reservation_is_written_still_leaves_the_set(app: Celery) -> None:
+    """The writing thread picked the request while it was held; it started before the write
+    returned: its entry is taken out again, in the same pass."""
+    reservations = ReservationWriter(app, "w1@host", hub=Hub())  # its timer never runs here
+    request = received(app)
+    reservations.received(request)
+    reservations.started(request.id)  # between the thread's pick and its write
+    reservations._write([request])
+    assert reserved_set(app) == {request.id}
+    reservations._unreserve()  # what the thread does next
+    assert reserved_set(app) == set()

@@ -1,0 +1,13 @@
+-- unreserve.lua: requests a worker reserved have ended there (a process started them, or they
+-- were revoked, expired or rejected before one did): their entries leave the worker's
+-- reservations, which hold only what the worker still holds.
+--
+-- KEYS[1]    the worker's reservations: sorted set of lease key -> reservation due (ms)
+-- ARGV[1..]  the lease keys of the ended requests' tasks: members of KEYS[1], never read or
+--            written as keys here (the caller passes at most a batch of them)
+--
+-- The leases themselves are left alone: a started task's acquire moved its own, a revoked or
+-- rejected one's result write did.
+--
+-- Returns the number of entries removed.
+return redis.call('ZREM', KEYS[1], unpack(ARGV))

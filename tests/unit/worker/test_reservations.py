@@ -94,15 +94,25 @@ def test_tasks_that_all_start_in_time_never_wake_the_writing_thread(
 ) -> None:
     reservations, run_timers = writer
     requests = [received(app) for _ in range(20)]
+    late = 0
     for request in requests:
-        reservations.received(request)
-        reservations.started(request.id)
+        late += received_then_started(reservations, request)
     deadline = time.monotonic() + 3 * GATHER
     while time.monotonic() < deadline:  # the timer's looks, for three windows
         run_timers()
     wait_until(lambda: not reservations.looking, 5, "the timer to stop looking")
-    assert (reservations.handed, reservations.written) == (0, 0)
-    assert all(status(app, r.id) is None for r in requests)
+    assert reservations.handed <= late and reservations.written <= late, late
+    assert sum(status(app, r.id) is not None for r in requests) <= late
+
+
+def received_then_started(reservations: ReservationWriter, request: Request) -> bool:
+    """Receive ``request`` and start it at once; True when this thread took a whole window
+    (:data:`GATHER`) between the two (a busy machine), so the timer may rightly have handed it
+    on: only such a request may be handed or written."""
+    before = time.monotonic()
+    reservations.received(request)
+    reservations.started(request.id)
+    return time.monotonic() - before >= GATHER
 
 
 def test_requests_arriving_steadily_share_looks(
@@ -112,10 +122,9 @@ def test_requests_arriving_steadily_share_looks(
     reservations, run_timers = writer
     count, spacing = 60, GATHER / 10
     started = time.monotonic()
+    late = 0
     for number in range(count):
-        request = received(app)
-        reservations.received(request)
-        reservations.started(request.id)
+        late += received_then_started(reservations, received(app))
         while time.monotonic() < started + (number + 1) * spacing:  # the next arrival
             run_timers()
     elapsed = time.monotonic() - started
@@ -124,8 +133,9 @@ def test_requests_arriving_steadily_share_looks(
         run_timers()
     wait_until(lambda: not reservations.looking, 5, "the timer to stop looking")
     assert reservations.looks <= elapsed / GATHER + 3  # one per window, not one per request
-    assert reservations.looks < count / 2
-    assert (reservations.handed, reservations.written) == (0, 0)
+    if elapsed < count * GATHER / 4:  # the arrivals kept their pace: several a window
+        assert reservations.looks < count / 2
+    assert reservations.handed <= late and reservations.written <= late, late
 
 
 def test_what_is_held_unstarted_is_written_when_the_worker_stops(app: Celery) -> None:

@@ -10,6 +10,7 @@ chain's next step run once, with B's value.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -17,6 +18,7 @@ from celery import chain
 
 from tests.integration.conftest import Cluster, lease, stored
 from tests.support.processes import wait_until
+from tests.support.redis_server import RedisServer, default_binary
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +26,29 @@ pytestmark = pytest.mark.integration
 TTL = 5
 
 
-@pytest.mark.parametrize("pool", ["prefork", "gevent"])
-def test_after_a_flush_a_thawed_owner_stores_and_sends_nothing_and_the_current_owner_finishes(
-    cluster: Cluster, pool: str
+@pytest.fixture
+def store_without_persistence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A lease store of the test's own that keeps no data (a cache-configured Redis): a restart
+    loses every lease, token and result, while the broker (the cluster's Redis) keeps the queues."""
+    server = RedisServer(default_binary(), tmp_path_factory.mktemp("store"), appendonly=False).start()
+    yield server
+    if server.running():
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("pool", "loss"), [("prefork", "flushdb"), ("gevent", "flushdb"), ("prefork", "restart without persistence")]
+)
+def test_after_a_loss_a_thawed_owner_stores_and_sends_nothing_and_the_current_owner_finishes(
+    cluster: Cluster, pool: str, loss: str, request: pytest.FixtureRequest
 ) -> None:
     cluster.settings["fenced_lease_ttl"] = TTL
+    store: RedisServer | None = None
+    if loss == "restart without persistence":
+        store = request.getfixturevalue("store_without_persistence")
+        cluster.backend_url = "fenced+" + store.url(1)
+        cluster.results.close()
+        cluster.results = redis.Redis.from_url(store.url(1))
     app = cluster.app()
     w1 = cluster.worker("w1", pool=pool, concurrency=1)
     flow = chain(app.owner_until_told.s(), app.received.s()).delay()
@@ -45,7 +65,11 @@ def test_after_a_flush_a_thawed_owner_stores_and_sends_nothing_and_the_current_o
         # between the loss and B's next renewal, every time.
         w2.signal_group(signal.SIGSTOP)
         try:
-            cluster.results.flushdb()  # the lease store loses its leases, tokens and results
+            if store is None:
+                cluster.results.flushdb()  # the lease store loses its leases, tokens and results
+            else:
+                store.stop()  # a restart with nothing kept: the same loss, and every connection cut
+                store.start()
             w1.signal_group(signal.SIGCONT)
             wait_until(lambda: "write dropped" in w1.log() or stored(cluster, task_id) is not None, 15, "A's write")
         finally:

@@ -23,10 +23,12 @@ __all__ = [
     "task_taken_over",
 ]
 
-#: An attempt took the lease and its body is about to run.
+#: An attempt took the lease and its body is about to run: ``takeover`` when the reaper re-sent
+#: the task (its owner stalled or was lost), ``retry`` when an earlier attempt asked for it
+#: (``self.retry()``, ``autoretry_for``); a retry is not a takeover.
 lease_acquired = Signal(
     name="lease_acquired",
-    providing_args={"task_id", "token", "attempt", "takeover"},
+    providing_args={"task_id", "token", "attempt", "takeover", "retry"},
 )
 
 #: An attempt made no progress within its deadline for ``stall_checks`` heartbeat ticks.

@@ -581,12 +581,14 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         # every short task one more broker publish.
         lease.announce()
         events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
+    retry = result.previous_status == LeaseStatus.RETRYING
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,
         token=lease.token,
         attempt=lease.attempt,
-        takeover=bool(result.previous_status),
+        takeover=bool(result.previous_status) and not retry,  # a retry is not a takeover (§4.9)
+        retry=retry,
     )
     return lease
 

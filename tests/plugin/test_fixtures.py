@@ -109,10 +109,38 @@ def test_the_signals_users_connect_to(fenced_app: Any, fenced_worker: Any, fence
     finally:
         for name, receiver in receivers.items():
             getattr(signals, name).disconnect(receiver)
-    assert [e["attempt"] for e in seen["lease_acquired"]] == [1, 2]
+    assert [(e["attempt"], e["takeover"], e["retry"]) for e in seen["lease_acquired"]] == [
+        (1, False, False),
+        (2, True, False),
+    ]
     assert seen["progress_stalled"][0]["stage"] == "load-data"
     assert seen["progress_stalled"][0]["on_stall"] == "release"
     assert "stalled" in seen["lease_lost"][0]["reason"]
     assert seen["task_taken_over"][0]["cause"] == "stalled" and seen["task_taken_over"][0]["takeovers"] == 1
     assert seen["stale_write_rejected"][0]["current_token"] == token
     assert all(e["sender"] == stalls_once.name for events in seen.values() for e in events)
+
+
+def test_a_retry_is_acquired_as_a_retry_not_a_takeover(fenced_app: Any, fenced_worker: Any) -> None:
+    from celery_fenced import signals
+
+    seen: list[dict[str, Any]] = []
+
+    def receive(sender: Any = None, **kwargs: Any) -> None:
+        if str(sender).endswith("retries_once"):
+            seen.append(kwargs)
+
+    signals.lease_acquired.connect(receive)
+    try:
+
+        @fenced_app.task(bind=True, base=ProgressLeasedTask, max_retries=1)
+        def retries_once(self: Any) -> int:
+            if self.request.retries == 0:
+                raise self.retry(countdown=0)
+            return int(self.request.retries)
+
+        fenced_worker.reload()
+        assert retries_once.delay().get(timeout=15) == 1
+    finally:
+        signals.lease_acquired.disconnect(receive)
+    assert [(e["attempt"], e["takeover"], e["retry"]) for e in seen] == [(1, False, False), (2, False, True)]

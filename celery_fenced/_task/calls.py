@@ -135,7 +135,10 @@ def mark_replacement(sig: Any, task_id: str, publish_id: str, token: int) -> boo
     if publish_id:
         for step in _signatures_in(sig):
             step_id = (step.get("options") or {}).get("task_id")
-            if not step_id or step_id == task_id:  # the carrier, or a canvas sent as it
+            if not step_id or step_id == task_id or step.get("subtask_type"):
+                # The carrier, or a canvas sent as it; or a group, chain or chord itself, whose
+                # headers Celery passes down to every task in it (the carrier too, whose own
+                # hand-off header they would replace).
                 continue
             step_options = step.setdefault("options", {})
             step_headers = dict(step_options.get("headers") or {})

@@ -129,5 +129,14 @@ def test_the_replacement_that_runs_under_the_task_id_names_the_hand_off() -> Non
     fanned.freeze("t3")
     assert mark_replacement(fanned, "t3", "", 7)
     assert fanned.body.options["headers"] == {HANDED_OFF_BY_HEADER: "7"}
+    # With the run's publish id: the header's tasks are named publishes of the run, the group
+    # and the chord themselves are not (Celery passes a canvas's headers down to every task in
+    # it, and the body's hand-off header would be lost: its write refused as foreign).
+    fanned = group(step.s(1), step.s(2)) | step.s()
+    fanned.freeze("t5")
+    assert mark_replacement(fanned, "t5", "p1", 7)
+    assert fanned.body.options["headers"] == marked
+    assert "headers" not in fanned.tasks.options and "headers" not in fanned.options
+    assert all(set(task.options["headers"]) == {PUBLISH_ID_HEADER} for task in fanned.tasks.tasks)
     assert not mark_replacement(step.s(1), "t4", "p1", 7)
     app.close()

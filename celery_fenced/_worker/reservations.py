@@ -117,7 +117,7 @@ class ReservationWriter:
         self._queue: queue.SimpleQueue[list[Any] | tuple[Any, Reservation, list[str]] | str | None] = (
             queue.SimpleQueue()
         )
-        self._held: dict[str, None] = {}  # reserved here and not started: insertion order
+        self._held: dict[str, Any] = {}  # reserved here and not started, each request: insertion order
         self._written: dict[str, None] = {}  # of those, the ones in this worker's reserved set
         self._ended: list[str] = []  # ended here: their entries are to leave the set
         self._arrived: deque[tuple[float, Any]] = deque()  # (received at, request), oldest first
@@ -140,7 +140,7 @@ class ReservationWriter:
         """A fenced task's message arrived (``task_received``): reserve it unless it starts soon."""
         now = time.monotonic()
         with self._held_lock:
-            self._held[request.id] = None
+            self._held[request.id] = request
             if len(self._held) > MAX_HELD:
                 del self._held[next(iter(self._held))]
             self._arrived.append((now, request))
@@ -242,13 +242,23 @@ class ReservationWriter:
         """Celery dropped this worker's unstarted requests (a lost connection): make their
         reservations due now, so the reaper sends them again at once. Returns how many."""
         with self._held_lock:
-            task_ids, self._held = list(self._held), {}
+            held, self._held = self._held, {}
+            # Received just before the connection went, and not yet written (still in their
+            # window, or with the writing thread): written now, due at once, or nothing would
+            # send them again before the broker's visibility timeout.
+            unwritten = [request for task_id, request in held.items() if task_id not in self._written]
             self._written.clear()  # the script takes them out of the worker's reservations
+        task_ids = list(held)
         if not task_ids:
             return 0
+        with FORK_GUARD:
+            reservations = [self._reservation(request) for request in unwritten]
         try:
             store = self._store()
+            due_now = [replace(r, expires_in_ms=0) for r in reservations if r is not None]
+            written = store.reserve_many(due_now, self.hostname, self.worker_id) if due_now else []
             count = store.lapse_reserved(task_ids, self.hostname, self.worker_id)
+            count = max(count, written.count(ReserveOutcome.RESERVED))
         except Exception as exc:
             logger.warning(
                 "could not make %d dropped reservations due (%r): they are sent again after fenced_start_timeout",

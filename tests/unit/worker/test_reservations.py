@@ -147,6 +147,25 @@ def test_what_is_held_unstarted_is_written_when_the_worker_stops(app: Celery) ->
     assert status(app, request.id) == "RESERVED"
 
 
+def test_a_request_received_just_before_the_connection_went_is_sent_again_at_the_reconnect(app: Celery) -> None:
+    """Received, not yet written (still in its window), and dropped by Celery with the broker
+    connection: written at the reconnect, due at once, so the reaper sends it again instead of
+    the broker after its visibility timeout (seen once as a task that never finished)."""
+    reservations = ReservationWriter(app, "w1@host", hub=Hub())  # its timer never runs here
+    reservations.start()
+    try:
+        request = received(app)
+        reservations.received(request)
+        assert status(app, request.id) is None  # not written yet
+        assert reservations.dropped() == 1
+        state = app.backend.lease_store.read(request.id)
+        assert state is not None and state.status == "RESERVED"
+        seconds, micros = app.backend.client.time()
+        assert int(state.lease_expire_at) <= int(seconds) * 1000 + int(micros) // 1000  # due now
+    finally:
+        reservations.stop()
+
+
 def test_a_look_cancelled_with_the_loops_timer_is_scheduled_again_by_the_next_message(app: Celery) -> None:
     """Celery cancels timer entries at a reconnect: a look that never comes must not leave the
     writer waiting for it."""

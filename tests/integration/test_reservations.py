@@ -128,18 +128,19 @@ def test_an_idle_worker_starts_what_a_busy_one_holds(cluster: Cluster) -> None:
     app = cluster.app()
     # The start timeout leaves the status command (a process of its own, Celery imported) time
     # to list the reservations before the reaper sends them again, on a busy machine too.
-    settings = dict(PREFETCH, fenced_start_timeout=5)
+    settings = dict(PREFETCH, fenced_start_timeout=12)
     cluster.worker("w1", concurrency=1, **settings)
-    long = app.steady.delay(80, 0.25)  # 20 s, progressing
+    long = app.steady.delay(160, 0.25)  # 40 s, progressing
     cluster.wait_runs(long.id, 1)
     short = [app.steady.delay(1, 0.05) for _ in range(3)]
     received_by(cluster, [r.id for r in short], 3)
     listed = cluster.cli("status").stdout  # where each waits, and how long until it is sent again
     for r in short:
-        row = next(line for line in listed.splitlines() if line.startswith(r.id))
-        assert "RESERVED" in row and "w1@" in row and "(received)" in row
+        rows = [line for line in listed.splitlines() if line.startswith(r.id)]
+        assert len(rows) == 1, f"{r.id} not listed once:\n{listed}"
+        assert "RESERVED" in rows[0] and "w1@" in rows[0] and "(received)" in rows[0]
     cluster.worker("w2", concurrency=1, **settings)
-    finished_once(cluster, [r.id for r in short], 20)
+    finished_once(cluster, [r.id for r in short], 30)
     assert (stored(cluster, long.id) or {}).get("status") == "STARTED"  # the busy worker still runs its long task
     assert all(cluster.runs(r.id)[0]["hostname"].startswith("w2@") for r in short)
     assert all(len(cluster.runs(r.id)) == 1 for r in short)

@@ -256,7 +256,9 @@ def test_started_and_finished_requests_leave_the_reserved_set(cluster: Cluster) 
     """Quick tasks behind a prefetch buffer of 32: most wait there long enough to be reserved."""
     app = cluster.app()
     cluster.worker("w1", concurrency=2, **HOLDING)
-    ids = [app.steady.delay(1, 0.01).id for _ in range(MANY)]
+    # 50 ms each: the buffer holds about a second of work, so the polls see reservations (with
+    # 10 ms bodies a run on a busy machine saw none).
+    ids = [app.steady.delay(1, 0.05).id for _ in range(MANY)]
     seen = all_ended(cluster, ids, ("SUCCESS",), 120)
     assert seen > 0  # they were reserved
     reserved_set_empties(cluster)

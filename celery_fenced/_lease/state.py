@@ -173,6 +173,7 @@ class LapseNowOutcome(StrEnum):
     """What ``lapse_now.lua`` (an operator's or a test's "due now") answered."""
 
     LAPSED = "lapsed"
+    RETRYING = "retrying"
     NOT_LIVE = "not-live"
     MISSING = "missing"
 

@@ -557,16 +557,22 @@ class LeaseStore:
         ]
         return outcome(RedriveOutcome, "redrive", self.scripts.redrive(keys=keys, args=[])[0])
 
-    def lapse_now(self, task_id: str, owner_prefix: str = "") -> LapseNowOutcome:
+    def lapse_now(self, task_id: str, owner_prefix: str = "", retry_due_ms: int | None = None) -> LapseNowOutcome:
         """Make a live lease due for takeover now, as if its owner were gone (for operators and tests).
 
         The lease is given up (``LAPSED``), so its owner, if alive, cannot renew it back
         before the reaper's next pass; that owner's next renewal is refused. With
         ``owner_prefix`` (``"<hostname>/<pid>/"``, a process the worker lost) only a lease that
-        process owns is given up. Returns ``"lapsed"``, ``"not-live"`` or ``"missing"``.
+        process owns is given up; with ``retry_due_ms`` too (Celery retries the lost process's
+        task) it is ``RETRYING`` instead, due for a re-send only that many ms from now.
+        Returns ``"lapsed"``, ``"retrying"``, ``"not-live"`` or ``"missing"``.
         """
         keys = [self.keys.lease(_require_task_id(task_id)), self.keys.index]
+        if retry_due_ms is not None and not owner_prefix:
+            raise ValueError("lapse_now(): retry_due_ms is for the lease of a lost process: give its owner_prefix")
         args = [owner_prefix] if owner_prefix else []
+        if retry_due_ms is not None:
+            args.append(str(max(0, int(retry_due_ms))))
         return outcome(LapseNowOutcome, "lapse_now", self.scripts.lapse_now(keys=keys, args=args)[0])
 
     def keep_trace_context(self, task_id: str, token: int, traceparent: str) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 from .._backend.backend import CANCELLED, PUT_BACK
 from .._celery.compat import ContextHookRequest, acks_on_timeout, is_process_lost
+from ..conf import ensure_conf
 from .interrupt import pool_kind
 from .process import WORKER_PROCESS
 from .runtime import reservation_writer_of
@@ -97,15 +98,38 @@ class FencedRequest(ContextHookRequest):
             return True
         return bool(task.acks_late and task.reject_on_worker_lost)
 
+    def _retry_due_ms(self) -> int | None:
+        """Where Celery 5.7 retries the lost process's task: ms until that retry is overdue
+        (its ``default_retry_delay`` and the requeue timeout, as the RETRY Celery then writes
+        sets). ``None`` where it does not retry (no ``retry_on_worker_lost``, or
+        ``max_retries`` reached: it writes the ``WorkerLostError``)."""
+        task = self.task
+        if not getattr(task, "retry_on_worker_lost", False):
+            return None
+        max_retries = task.max_retries
+        if max_retries is not None and (self._context.retries or 0) >= max_retries:
+            return None
+        try:
+            delay = max(0.0, float(task.default_retry_delay or 0))
+        except (TypeError, ValueError):
+            delay = 0.0
+        return int((delay + ensure_conf(task.app).requeue_timeout) * 1000)
+
     def _lapse_lost_owner(self) -> None:
         """The lost process owned the lease: give it up now, as the ``WorkerLostError`` write
         would have, so the message put back (or the reaper's re-send) takes the task over at
-        once instead of being dropped as a duplicate of a dead owner until the TTL runs out."""
+        once instead of being dropped as a duplicate of a dead owner until the TTL runs out.
+
+        A retry Celery sends instead finds the lease ``RETRYING``, due only once that retry is
+        overdue: a lease lapsed now would be due at once, and a reaper pass before Celery's
+        RETRY write would send the original call (``retries`` 0) as a takeover."""
         pid = self.worker_pid
         if pid is None or not self.hostname:
             return
         try:
-            outcome = self.task.backend.lease_store.lapse_now(self.id, owner_prefix=f"{self.hostname}/{pid}/")
+            outcome = self.task.backend.lease_store.lapse_now(
+                self.id, owner_prefix=f"{self.hostname}/{pid}/", retry_due_ms=self._retry_due_ms()
+            )
         except Exception as exc:
             logger.warning(
                 "task %s[%s]: its process was lost and its lease could not be given up (%r)", self.name, self.id, exc
@@ -113,6 +137,8 @@ class FencedRequest(ContextHookRequest):
             return
         if outcome == "lapsed":
             logger.warning("task %s[%s]: its process was lost: lease given up for a takeover", self.name, self.id)
+        elif outcome == "retrying":
+            logger.warning("task %s[%s]: its process was lost: lease kept for Celery's retry", self.name, self.id)
 
     def cancel(self, pool: Any, *args: Any, **kwargs: Any) -> Any:
         """Celery cancels the running request (its body never finishes): its writes say so.

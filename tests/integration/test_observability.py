@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from celery_fenced.harness import free_port
 from tests.integration.conftest import APP, KEYS, Cluster, lease, stored, zombie_scenario
@@ -20,16 +21,32 @@ pytestmark = pytest.mark.integration
 
 
 def start_flower(cluster: Cluster) -> tuple[CeleryProcess, str]:
-    """``celery fenced flower`` on a free port, ready; the process and its base URL."""
+    """``celery fenced flower`` on a free port, ready and listening to events; the process and
+    its base URL.
+
+    Flower prints its "Visit me at" banner before its event receiver connects: a worker
+    started right after could send its first task's events before anyone listens (events are
+    not kept for a late listener). Ready here means Flower has subscribed to the events
+    exchange, the only subscriber on the test's Redis before its workers start.
+    """
     port = free_port()
     cluster.app()
-    flower = cluster.command(
-        "flower",
-        ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
-        "Visit me at",
-        FLOWER_UNAUTHENTICATED_API="true",
-    )
+    with cluster.server.client() as client:
+        before = listeners(client)
+        flower = cluster.command(
+            "flower",
+            ["fenced", "flower", f"--port={port}", "--address=127.0.0.1"],
+            "Visit me at",
+            FLOWER_UNAUTHENTICATED_API="true",
+        )
+        wait_until(lambda: listeners(client) > before, 20, "Flower's event receiver to subscribe")
     return flower, f"http://127.0.0.1:{port}"
+
+
+def listeners(client: redis.Redis) -> int:
+    """Subscriptions on the Redis broker: patterns and channels (kombu's fanout exchanges)."""
+    channels = client.execute_command("PUBSUB", "CHANNELS")
+    return int(client.execute_command("PUBSUB", "NUMPAT")) + len(channels)
 
 
 def test_every_subcommand_answers_help(cluster: Cluster) -> None:

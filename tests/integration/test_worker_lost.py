@@ -33,6 +33,25 @@ def test_a_process_lost_with_retry_on_worker_lost_is_retried_as_celery_retries_i
     assert "re-sent (cause=retry" not in worker.log()
 
 
+@pytest.mark.skipif(CELERY_VERSION < (5, 7), reason="task_retry_on_worker_lost is Celery 5.7's")
+def test_a_reaper_pass_before_the_retry_is_stored_leaves_the_task_to_the_retry(cluster: Cluster) -> None:
+    """Celery's main process sends ``retry_on_worker_lost``'s retry, then stores RETRY. Paused
+    in between (longer than a reaper interval: a reaper pass falls in it), the lease of the
+    lost process must already wait for that retry: a lease merely given up would be claimed by
+    that pass, and the original call (``retries`` 0) sent as a takeover before the retry."""
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=2, fenced_requeue_timeout=1)
+    result = app.killed_then_retried.signature().freeze()
+    cluster.record.set(f"pause-after-retry:{result.id}", 1)
+    app.killed_then_retried.apply_async(task_id=result.id)
+    assert result.get(timeout=30) == "retried 1"
+    runs = cluster.runs(result.id)
+    assert [run["retries"] for run in runs] == [0, 1], runs
+    assert not cluster.record.exists(f"pause-after-retry:{result.id}"), "the pause was not taken"
+    assert "re-sent (cause=" not in worker.log()
+    assert "its process was lost: lease kept for Celery's retry" in worker.log()
+
+
 def test_a_retry_message_lost_with_its_worker_is_sent_again_with_the_retrys_arguments(cluster: Cluster) -> None:
     """A retry's message held in a worker's eta timer is lost with that worker (SIGKILL); the
     reaper sends the task again once the retry is overdue. It must send the *retry* (its new

@@ -13,11 +13,18 @@
 -- that process ("<hostname>/<pid>/"): a lease another process owns (a newer owner) is left
 -- alone ("not-live"), and lapseReason is "worker-lost".
 --
+-- Where Celery 5.7 retries the lost process's task (retry_on_worker_lost), ARGV[2] is the time
+-- until that retry is overdue: the retry's countdown and the requeue timeout. The lease is
+-- then RETRYING, as the tokenless RETRY write Celery makes after sending the retry would make
+-- it, and due only then: a LAPSED lease would be due at once, and a reaper pass between this
+-- and that write would send the original call (its retries count 0) as a takeover.
+--
 -- KEYS[1]  lease hash
 -- KEYS[2]  expiry index
 -- ARGV[1]  the owner-id prefix of the lost process, or "" / absent: any owner
+-- ARGV[2]  with ARGV[1]: ms until the retry Celery sends is overdue, or absent: no retry
 --
--- Returns {code}: "lapsed" | "not-live" | "missing"
+-- Returns {code}: "lapsed" | "retrying" | "not-live" | "missing"
 local now = now_ms()
 local f = redis.call('HMGET', KEYS[1], 'status', 'ownerId')
 local status = f[1]
@@ -34,6 +41,12 @@ if prefix ~= '' then
     return {'not-live'}
   end
   reason = 'worker-lost'
+  if ARGV[2] then
+    local due = now + tonumber(ARGV[2])
+    redis.call('ZADD', KEYS[2], due, KEYS[1])
+    redis.call('HSET', KEYS[1], 'status', 'RETRYING', 'leaseExpireAt', due)
+    return {'retrying'}
+  end
 end
 redis.call('ZADD', KEYS[2], now, KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'LAPSED', 'leaseExpireAt', now, 'lapsedAt', now,

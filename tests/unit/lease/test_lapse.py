@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_fenced._lease.store import LeaseStore
-from tests.unit.lease.helpers import claim, held, renew_req
+from tests.unit.lease.helpers import acquire, claim, held, renew_req
 
 
 def test_lapse_release_gives_the_lease_up_now(store: LeaseStore) -> None:
@@ -69,3 +69,25 @@ def test_lapse_unfinished_gives_the_lease_up_now_without_a_stall(store: LeaseSto
     assert store.lapse("t1", "host/1/a", state.owner_token, mode="unfinished") == "not-running"
     [result] = claim(store, "t1")
     assert result.code == "requeued" and result.cause == "gone"
+
+
+def test_lapse_now_of_a_lost_process_that_celery_retries_waits_for_the_retry(store: LeaseStore) -> None:
+    # Celery 5.7's retry_on_worker_lost: the main process sends a retry, then stores RETRY. The
+    # lease waits for that retry from the start: a reaper pass before the RETRY write finds it
+    # not due, and the retry's delivery takes it without counting a takeover.
+    held(store, owner="host/1/a")
+    assert store.lapse_now("t1", owner_prefix="host/2/", retry_due_ms=60_000) == "not-live"
+    assert store.lapse_now("t1", owner_prefix="host/1/", retry_due_ms=60_000) == "retrying"
+    after = store.read("t1")
+    assert after is not None and after.status == "RETRYING"
+    assert store.due_task_ids(10) == []
+    [result] = claim(store, "t1")
+    assert result.code == "not-due"
+    retry = acquire(store, owner="host/2/b")
+    assert (retry.outcome, retry.previous_status, retry.takeovers) == ("takeover", "RETRYING", 0)
+
+
+def test_lapse_now_with_a_retry_due_needs_the_lost_process(store: LeaseStore) -> None:
+    held(store)
+    with pytest.raises(ValueError, match="owner_prefix"):
+        store.lapse_now("t1", retry_due_ms=1000)

@@ -12,6 +12,11 @@ how it got there (``celery fenced inspect`` shows both). The scripts read the ta
 
 A meta that cannot end so (a result serializer other than JSON, a publish id with a quote)
 leaves a DONE tombstone hash instead, as a READY result without a token does.
+
+A READY result fenced without its run (``..., "fence_token": <token>}``: a cancel's REVOKED, an
+abandoned task's FAILURE) keeps its DONE or ABANDONED hash beside it, but is still read as
+finished by that token: a lease hash evicted or lost while its result stays must not let an
+older owner write back its lease, or its result over that one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ _STATUS = re.compile(rb'^{"status": "([A-Z]+)"')
 _RUN = re.compile(r"^(.*)/(\d+)/(\d+)$")
 #: How far from the end the tail is looked for (the scripts look as far).
 _TAIL_REACH = 120
+#: A READY result fenced without its run: ``..., "fence_token": <token>}``.
+_BARE_TAIL = re.compile(rb'"fence_token": (\d+)}$')
+_BARE_TAIL_REACH = 40
 
 
 def run_text(publish_id: str, attempt: int, takeovers: int) -> str | None:
@@ -78,10 +86,17 @@ def fence_of(meta: bytes | str | None) -> FinishedFence | None:
     if not meta:
         return None
     raw = meta.encode() if isinstance(meta, str) else meta
-    tail = _TAIL.search(raw, max(0, len(raw) - _TAIL_REACH))
     status = _STATUS.match(raw)
-    if tail is None or status is None or status.group(1).decode() not in states.READY_STATES:
+    if status is None or status.group(1).decode() not in states.READY_STATES:
         return None
+    tail = _TAIL.search(raw, max(0, len(raw) - _TAIL_REACH))
+    if tail is None:
+        # Fenced without its run (a cancel's REVOKED, an abandoned task's FAILURE): finished by
+        # that token, its run unknown (read as the scripts read it: attempt 1, no takeovers).
+        bare = _BARE_TAIL.search(raw, max(0, len(raw) - _BARE_TAIL_REACH))
+        if bare is None:
+            return None
+        return FinishedFence(int(bare.group(1)), status.group(1).decode(), "", 1, 0)
     run = _RUN.match(tail.group(1).decode())
     if run is None:
         return None

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from .._backend.backend import CANCELLED, PUT_BACK
-from .._celery.compat import ContextHookRequest, acks_on_timeout, is_process_lost
+from .._celery.compat import ContextHookRequest, acks_on_timeout, is_process_lost, request_context
 from ..conf import ensure_conf
 from .interrupt import pool_kind
 from .process import WORKER_PROCESS
@@ -107,7 +107,7 @@ class FencedRequest(ContextHookRequest):
         if not getattr(task, "retry_on_worker_lost", False):
             return None
         max_retries = task.max_retries
-        if max_retries is not None and (self._context.retries or 0) >= max_retries:
+        if max_retries is not None and (request_context(self).retries or 0) >= max_retries:
             return None
         try:
             delay = max(0.0, float(task.default_retry_delay or 0))

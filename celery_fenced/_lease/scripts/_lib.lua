@@ -146,7 +146,14 @@ local function fence_of(meta)
   -- Only the tail is searched: the user's result, before it, is never read.
   local run, token = string.match(meta, '"fence_run": "([^"]*)", "fence_token": (%d+)}$', -120)
   if not token then
-    return nil
+    -- A READY result fenced without its run (a cancel's REVOKED, an abandoned task's FAILURE,
+    -- a publish id that cannot be carried): finished by that token all the same. Its DONE or
+    -- ABANDONED lease says more, but a lease hash can be lost while its result stays.
+    token = string.match(meta, '"fence_token": (%d+)}$', -40)
+    if not token then
+      return nil
+    end
+    run = ''
   end
   local state = string.match(meta, '^{"status": "(%u+)"')
   if state ~= 'SUCCESS' and state ~= 'FAILURE' and state ~= 'REVOKED' then

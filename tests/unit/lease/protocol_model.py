@@ -442,6 +442,10 @@ class ProtocolModel:
             elif task.status in HELD and owner.token < task.fence and code != "stale-token":
                 # A newer owner's lease: stale ("missing" would make it write its own back).
                 self.violated("model-mismatch", f"{owner!r} renewal over a newer token's lease answered {code}")
+            elif task.status in HELD and owner.token > task.fence and code != "missing":
+                # An older token's lease, written back where this owner's was (the store lost
+                # this one's): not this owner's refusal. "missing": it writes its own in place.
+                self.violated("model-mismatch", f"{owner!r} renewal over an older token's lease answered {code}")
             elif task.status == DONE:
                 # Ended by a cancel, by this owner, or by a newer one (its lease lives on in the
                 # result, or as a tombstone): each its own answer.
@@ -469,13 +473,14 @@ class ProtocolModel:
         elif code not in ("ok", "missing"):
             owner.believes_live = False
 
-    def process_lost(self, owner: Owner, code: str) -> None:
+    def process_lost(self, owner: Owner, code: str, retried: bool = False) -> None:
         """The worker's main process gives up the lease of a process it lost, whose message
         Celery puts back (``task_acks_late``, ``task_reject_on_worker_lost``): only a live
-        lease that process owns."""
+        lease that process owns. ``retried``: Celery sends a retry instead, and the lease waits
+        for it (RETRYING, not due until its time passes)."""
         task = self.task(owner.task_id)
         if task.status == RUNNING and task.holder is owner:
-            expected = {"lapsed"}
+            expected = {"retrying" if retried else "lapsed"}
         elif task.status == NONE:
             expected = {"missing", "not-live"}  # no lease (a finished one lives in its result)
         else:
@@ -484,6 +489,9 @@ class ProtocolModel:
             self.violated("model-mismatch", f"{owner!r}'s process lost: lapse answered {code} on {task.status}")
         if code == "lapsed":
             task.status, task.past_grace = LAPSED, False
+            owner.believes_live = False
+        elif code == "retrying":
+            task.status, task.due = RETRYING, False
             owner.believes_live = False
 
     def time_passed(self, task_id: str, past_grace: bool = False) -> None:
@@ -654,6 +662,9 @@ class ProtocolModel:
             self.violated("model-mismatch", f"{where}: expected {expected}")
         if code == "lapsed":
             task.status, task.past_grace = LAPSED, False
+            owner.believes_live = False
+        elif code == "retrying":
+            task.status, task.due = RETRYING, False
             owner.believes_live = False
         elif code == "stored":  # the run holding the lease ends: copies of its publish do not run
             task.done_publish = task.holder.message if task.holder is not None else ""

@@ -146,6 +146,47 @@ def test_a_zombie_never_writes_back_the_lease_of_a_finished_task(store: LeaseSto
     assert late.code == "stale"
 
 
+@pytest.mark.parametrize("ending", ["cancel", "no-run"])
+def test_a_result_fenced_without_its_run_still_fences_once_its_lease_hash_is_lost(
+    store: LeaseStore, redis_client: redis.Redis, ending: str
+) -> None:
+    # A cancel's REVOKED (and an abandoned task's FAILURE, and a result whose run cannot be
+    # carried) ends with only "fence_token": its DONE hash stands beside it. An evicted or lost
+    # hash must not let the owner the cancel ended write its lease back, or its result over it.
+    owner = held(store, owner=A, call=CALL, publish_id="p1")
+    if ending == "cancel":
+
+        def revoked(token: int) -> bytes:
+            return meta(token, status="REVOKED", run=None)
+
+        assert store.cancel("t1", revoked, expires_ms=0).code == "cancelled"
+    else:
+        assert finish(store, owner.owner_token, meta(owner.owner_token, status="FAILURE", run=None)) == "stored:DONE"
+    ended = redis_client.get(store.keys.result("t1"))
+    fence = fence_of(ended)
+    assert fence is not None and fence.token >= owner.owner_token and fence.publish_id == ""
+    redis_client.delete(store.keys.lease("t1"))  # evicted, or lost with a failover
+    write_back = store.restore(
+        "t1",
+        A,
+        owner.owner_token,
+        ttl_ms=60_000,
+        task_name="proj.task",
+        call=CALL,
+        attempt=1,
+        takeovers=0,
+        max_takeovers=3,
+        renewal_age_ms=0,
+    )
+    assert write_back == (RestoreOutcome.STALE_TOKEN if ending == "cancel" else RestoreOutcome.FINISHED)
+    late = store.store("t1", owner.owner_token, meta(owner.owner_token), state="SUCCESS", kind="ready", expires_ms=0)
+    assert late.code == ("stale" if ending == "cancel" else "finished")
+    assert redis_client.get(store.keys.result("t1")) == ended
+    again = store.acquire("t1", B, ttl_ms=60_000, task_name="proj.task", max_takeovers=3, publish_id="p1")
+    assert not again.outcome.runs  # a copy of the message does not run the ended task
+    assert store.read("t1").status == "DONE"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     "value",
     [b"\x80\x04pickled", meta(1, run=None), b'{"status": "SUCCESS", "fence_token": 1}'],

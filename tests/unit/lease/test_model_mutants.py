@@ -2,10 +2,14 @@
 
 Each mutant below disables one guard of one script (a token comparison, a due check, a
 status check) by a text substitution of the script's source, as the store loads it
-(:func:`celery_fenced._lease.scripts.script_source`); the protocol machine of
-test_protocol_model.py then runs against the mutated script (a bounded, derandomized run
-without shrinking: the same sequences every time) and must break a rule of the model. A
-mutant it does not catch is a path the model does not judge.
+(:func:`celery_fenced._lease.scripts.script_source`). Each names the shortest sequence of the
+protocol machine's steps (test_protocol_model.py) that reaches its guard: replayed on the real
+scripts, the model finds nothing wrong; replayed on the mutated one, the model must break a
+rule. A mutant the model does not catch there is a path the model does not judge.
+
+The sequences were found by the machine itself (a mutant, then a shrunk failing run) or written
+by hand where its bounded runs do not reach the guard; replaying them makes each check exact
+and fast, where a bounded random run caught some mutants only in some runs.
 
 A script that gains a guard comparing tokens gets its mutant, or a listed reason why none
 can be told apart (:data:`UNMUTATED`): :func:`test_every_token_guard_is_listed` fails until then.
@@ -13,37 +17,36 @@ can be told apart (:data:`UNMUTATED`): :func:`test_every_token_guard_is_listed` 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
-from hypothesis.stateful import run_state_machine_as_test
 
 from celery_fenced._lease import scripts
+from celery_fenced._lease.state import LeaseStatus
 from tests.unit.lease.protocol_model import Violation
-from tests.unit.lease.test_protocol_model import (
-    ProtocolMachine,
-    ProtocolWithoutLosses,
-    machine_settings,
-)
+from tests.unit.lease.test_protocol_model import OWNER, ProtocolMachine, ThroughTheHoles, run_sequence
 from tests.unit.lease.test_protocol_model import model_client as model_client  # the fixture
 
-#: Sequences a mutant's run may take to be caught (most are caught within a few).
-MUTANT_EXAMPLES = int(os.environ.get("FENCED_MUTANT_EXAMPLES", "40"))
+Steps = tuple[tuple[str, dict[str, Any]], ...]
 
 
 @dataclass(frozen=True)
 class Mutant:
-    """``script``'s source with ``guard`` (found exactly once) replaced by ``disabled``."""
+    """``script``'s source with ``guard`` (found exactly once) replaced by ``disabled``; ``steps``
+    reach the guard (``OWNER + "n"``: the n-th delivery that ran), on ``machine``:
+    :class:`ThroughTheHoles` where no heartbeat may tick before a loss, going on past the
+    ``tolerate``d rules of a known hole (test_protocol_model.py's HOLES)."""
 
     name: str
     script: str
     guard: str
     disabled: str
-    #: the run needs the store to lose data (FLUSHDB, an evicted key) to reach the guard
-    losses: bool = False
+    steps: Steps
+    machine: type[ProtocolMachine] = ProtocolMachine
+    tolerate: str = ""
 
 
 MUTANTS = [
@@ -53,129 +56,393 @@ MUTANTS = [
         "store",
         "elseif token ~= '' and tonumber(token) < tonumber(fence) then",
         "elseif false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+            ("write", {"owner": OWNER + "1", "state": "FAILURE"}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
     ),
-    Mutant("store-no-lease-same-token", "store", "elseif token == '' or token == fence then", "elseif false then"),
+    Mutant(
+        "store-no-lease-same-token",
+        "store",
+        "elseif token == '' or token == fence then",
+        "elseif false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("write", {"owner": OWNER + "0", "state": "FAILURE"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+        ),
+    ),
     Mutant(
         "store-token-not-current",
         "store",
         "if cur[2] ~= token or (owner_id ~= '' and cur[3] ~= owner_id and cur[3] ~= '') then",
         "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("deliver", {"task_id": "t2"}),
+            ("runs_out_and_claim", {"task_id": "t2"}),
+            ("write", {"owner": OWNER + "1", "state": "SUCCESS"}),
+        ),
     ),
-    Mutant("store-handoff-token", "store", "if (ARGV[10] or '') ~= h[1] then", "if false then"),
-    Mutant("acquire-handed-off-record", "acquire", "    if handed_by ~= cur[2] then", "    if false then"),
+    Mutant(
+        "store-handoff-token",
+        "store",
+        "if (ARGV[10] or '') ~= h[1] then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+        ),
+    ),
+    Mutant(
+        "acquire-handed-off-record",
+        "acquire",
+        "    if handed_by ~= cur[2] then",
+        "    if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("deliver", {"task_id": "t1"}),
+        ),
+    ),
     Mutant(
         "acquire-copy-from-before-handoff",
         "acquire",
         "elseif handed_by ~= cur[2] and (publish_id == '' or not cur[3] or cur[3] == publish_id) then",
         "elseif false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("deliver", {"replacement": True, "task_id": "t1"}),
+            ("deliver", {"task_id": "t1"}),
+        ),
     ),
-    Mutant("acquire-counter-moved-back", "acquire", "if token <= held then", "if false then"),
-    Mutant("claim-abandon-token", "claim", "if token <= tonumber(f[2] or '0') then", "if false then"),
-    Mutant("cancel-token", "cancel", "if tonumber(ARGV[1]) <= tonumber(cur[2] or '0') then", "if false then"),
-    Mutant("renew-finished-by-another", "renew", "elseif status == 'DONE' and cur[2] ~= token", "elseif false"),
+    Mutant(
+        "renew-finished-by-another",
+        "renew",
+        "elseif status == 'DONE' and cur[2] ~= token",
+        "elseif false",
+        (
+            ("deliver", {"task_id": "t2"}),
+            ("runs_out_and_claim", {"task_id": "t2"}),
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "revoked", "owner": OWNER + "1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+            ("renew", {"owner": OWNER + "0"}),
+        ),
+    ),
     Mutant(
         "renew-newer-token-lease",
         "renew",
         "elseif cur[2] ~= token and (status == 'HANDED_OFF' or tonumber(cur[2] or '0') > tonumber(token)) then",
         "elseif cur[2] ~= token and status == 'HANDED_OFF' then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+            ("deliver", {"task_id": "t1"}),
+            ("renew", {"owner": OWNER + "0"}),
+        ),
     ),
     Mutant(
         "renew-older-token-lease",
         "renew",
         "elseif cur[2] ~= token and (status == 'HANDED_OFF' or tonumber(cur[2] or '0') > tonumber(token)) then",
         "elseif cur[2] ~= token then",
-        losses=True,
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("restore", {"owner": OWNER + "0", "lapsed": True}),
+            ("renew", {"owner": OWNER + "1"}),
+        ),
+        machine=ThroughTheHoles,
+        tolerate="stale-restore,live-lease-not-newest",
     ),
-    Mutant("restore-finished-fence", "restore", "if fence then", "if false then", losses=True),
-    Mutant("store-data-lost-write-back", "store", "if cur[6] == 'data-lost' then", "if false then", losses=True),
-    Mutant("restore-counter-below", "restore", "elseif tonumber(counter) < token then", "elseif false then"),
+    Mutant(
+        "restore-finished-fence",
+        "restore",
+        "if fence then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("operator", {"task_id": "t1", "action": "cancel"}),
+            ("evict_lease", {"task_id": "t1"}),
+            ("restore", {"owner": OWNER + "0", "age": 0}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
+        machine=ThroughTheHoles,
+    ),
+    Mutant(
+        "store-data-lost-write-back",
+        "store",
+        "if cur[6] == 'data-lost' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("time_passes", {"task_id": "t1"}),
+            ("restore", {"owner": OWNER + "0", "lapsed": True}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
+    ),
     # -- due checks
-    Mutant("acquire-live-lease", "acquire", "if expire_at > now then", "if false then"),
-    Mutant("claim-not-due", "claim", "if due > now then", "if false then"),
-    Mutant("claim-grace", "claim", "due = due + tonumber(ARGV[1])", "due = due"),
-    Mutant("claim-lost-handoff-not-due", "claim", "if tonumber(h[2] or '0') > now then", "if false then"),
+    Mutant(
+        "acquire-live-lease",
+        "acquire",
+        "if expire_at > now then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("deliver", {"task_id": "t1"}),
+        ),
+    ),
+    Mutant(
+        "claim-not-due",
+        "claim",
+        "if due > now then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("claim", {"task_id": "t1"}),
+        ),
+    ),
+    Mutant(
+        "claim-grace",
+        "claim",
+        "due = due + tonumber(ARGV[1])",
+        "due = due",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("claim", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+            ("claim", {"grace": True, "task_id": "t1"}),
+        ),
+    ),
+    Mutant(
+        "claim-lost-handoff-not-due",
+        "claim",
+        "if tonumber(h[2] or '0') > now then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("main_process_write", {"owner": OWNER + "0", "kind": "worker-lost"}),
+            ("claim", {"task_id": "t1"}),
+            ("deliver", {"task_id": "t1"}),
+        ),
+    ),
     Mutant(
         "restore-renewed-a-ttl-ago",
         "restore",
         "if not lapsed and tonumber(ARGV[10]) >= tonumber(ARGV[3]) then",
         "if not lapsed and tonumber(ARGV[10]) > tonumber(ARGV[3]) then",
-        losses=True,
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("time_passes", {"task_id": "t1"}),
+            ("restore", {"owner": OWNER + "0", "age": 0}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
     ),
-    Mutant("claim-max-takeovers", "claim", "if takeovers > max_takeovers then", "if false then"),
+    Mutant(
+        "claim-max-takeovers",
+        "claim",
+        "if takeovers > max_takeovers then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+        ),
+    ),
     # -- status checks
-    Mutant("renew-running", "renew", "elseif status == 'RUNNING' or status == 'STALLED' then", "elseif true then"),
-    Mutant("lapse-running", "lapse", "if status ~= 'RUNNING' and status ~= 'STALLED' then", "if false then"),
-    Mutant("lapse-now-live", "lapse_now", "if status ~= 'RUNNING' and status ~= 'STALLED' then", "if false then"),
-    Mutant("release-finished", "release", "if status == 'DONE' or status == 'ABANDONED' then", "if false then"),
-    Mutant("hand-back-record", "hand_back", "if status ~= 'HANDED_OFF' or record[1] ~= ARGV[2] then", "if false then"),
+    Mutant(
+        "renew-running",
+        "renew",
+        "elseif status == 'RUNNING' or status == 'STALLED' then",
+        "elseif true then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+            ("renew", {"owner": OWNER + "0"}),
+        ),
+    ),
+    Mutant(
+        "lapse-running",
+        "lapse",
+        "if status ~= 'RUNNING' and status ~= 'STALLED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("stall", {"mode": "release", "owner": OWNER + "0"}),
+        ),
+    ),
+    Mutant(
+        "lapse-now-live",
+        "lapse_now",
+        "if status ~= 'RUNNING' and status ~= 'STALLED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("process_lost", {"owner": OWNER + "0"}),
+        ),
+    ),
+    Mutant(
+        "lapse-now-retry",
+        "lapse_now",
+        "if ARGV[2] then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("process_lost", {"owner": OWNER + "0", "retried": True}),
+        ),
+    ),
+    Mutant(
+        "release-finished",
+        "release",
+        "if status == 'DONE' or status == 'ABANDONED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "revoked", "owner": OWNER + "0"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+        ),
+    ),
+    Mutant(
+        "hand-back-record",
+        "hand_back",
+        "if status ~= 'HANDED_OFF' or record[1] ~= ARGV[2] then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_back", {"owner": OWNER + "0"}),
+        ),
+    ),
     Mutant(
         "replacement-sent-record",
         "replacement_sent",
         "local mine = not refusal and status == 'HANDED_OFF' and r[2] == ARGV[2]",
         "local mine = not refusal",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("replacement_sent", {"filed": False, "owner": OWNER + "0"}),
+        ),
     ),
     Mutant(
-        "claim-handoff-sent", "claim", "if h[1] ~= 'worker-lost' or h[4] == '1' then", "if h[1] ~= 'worker-lost' then"
+        "claim-handoff-sent",
+        "claim",
+        "if h[1] ~= 'worker-lost' or h[4] == '1' then",
+        "if h[1] ~= 'worker-lost' then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("main_process_write", {"owner": OWNER + "0", "kind": "worker-lost"}),
+            ("replacement_sent", {"owner": OWNER + "0"}),
+            ("time_passes", {"task_id": "t1"}),
+            ("claim", {"task_id": "t1"}),
+        ),
     ),
-    Mutant("lapse-worker-sent", "lapse_worker", "f[3] == ARGV[1] and f[4] ~= '1'", "f[3] == ARGV[1]"),
+    Mutant(
+        "lapse-worker-sent",
+        "lapse_worker",
+        "f[3] == ARGV[1] and f[4] ~= '1'",
+        "f[3] == ARGV[1]",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("replacement_sent", {"filed": False, "owner": OWNER + "0"}),
+            ("worker_lapses", {}),
+        ),
+    ),
     Mutant(
         "store-finished",
         "store",
         "  if status == 'DONE' or status == 'ABANDONED' then\n    return {'finished'",
         "  if false then\n    return {'finished'",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "revoked", "owner": OWNER + "0"}),
+            ("main_process_write", {"kind": "worker-lost", "owner": OWNER + "0"}),
+        ),
     ),
-    Mutant("cancel-finished", "cancel", "if status == 'DONE' or status == 'ABANDONED' then", "if false then"),
-    Mutant("redrive-abandoned", "redrive", "if status ~= 'ABANDONED' then", "if false then"),
-    Mutant("forget-in-use", "forget", "if status ~= 'DONE' and status ~= 'ABANDONED' then", "if false then"),
+    Mutant(
+        "cancel-finished",
+        "cancel",
+        "if status == 'DONE' or status == 'ABANDONED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("deliver", {"task_id": "t2"}),
+            ("release", {"owner": OWNER + "1", "status": LeaseStatus.DONE}),
+            ("hand_back", {"owner": OWNER + "1"}),
+            ("hand_back", {"owner": OWNER + "1"}),
+            ("hand_back", {"owner": OWNER + "1"}),
+            ("operator", {"action": "cancel", "task_id": "t2"}),
+        ),
+    ),
+    Mutant(
+        "redrive-abandoned",
+        "redrive",
+        "if status ~= 'ABANDONED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("operator", {"action": "redrive", "task_id": "t1"}),
+        ),
+    ),
+    Mutant(
+        "forget-in-use",
+        "forget",
+        "if status ~= 'DONE' and status ~= 'ABANDONED' then",
+        "if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("operator", {"action": "forget", "task_id": "t1"}),
+        ),
+    ),
     Mutant(
         "acquire-done",
         "acquire",
         "    if publish_id == '' or not run[1] or run[1] == publish_id or run[2] then",
         "    if false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("main_process_write", {"kind": "revoked", "owner": OWNER + "0"}),
+            ("deliver", {"task_id": "t1"}),
+        ),
     ),
     Mutant(
         "acquire-abandoned",
         "acquire",
         "  elseif status == 'ABANDONED' then\n    return",
         "  elseif false then\n    return",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
+        ),
     ),
 ]
 
-#: Mutants the bounded run does not catch yet, each with why. Strict: once caught, the mark
-#: must go. ``FENCED_MUTANT_ALL=1`` runs them unmarked (to see which a longer run catches).
-NOT_CAUGHT_YET = {
-    # Unreachable while tokens never go back: the token epoch (begin_epoch.lua) moves the counter
-    # to the clock after every loss the machine makes, so a fresh token is always above a
-    # lease's. Reaching them takes a counter moved back within its epoch, which the model
-    # cannot judge (it asks every token to be above every earlier one).
-    "cancel-token": "a cancel's fresh token is never at or below the lease's (the token epoch)",
-    "claim-abandon-token": "a claim's fresh token is never at or below the lease's (the token epoch)",
-    "acquire-counter-moved-back": "the counter never falls below a lease's token within its epoch",
-    "restore-counter-below": "a counter below the restored token is moved to the clock by the next "
-    "epoch check before any token is taken",
-    # Reachable (each has a sequence in test_protocol_model.py's COUNTEREXAMPLES or a direct
-    # one), but not within MUTANT_EXAMPLES sequences of the derandomized run:
-    "renew-finished-by-another": "needs a DONE tombstone (not a compact result) of another token, then "
-    "the older owner's renewal",
-    # Caught by other derandomized runs of this machine (before the last change to its rules),
-    # not by this one: the run reaches them by chance, not by design yet.
-    "acquire-handed-off-record": "not reached in this run (a copy of the original after a hand-off)",
-    "acquire-copy-from-before-handoff": "not reached in this run (a copy after the replacement's lease ran out)",
-    "store-no-lease-older-token": "not reached in this run (an older owner's write over a fenced result)",
-    "renew-running": "not reached in this run (a renewal of a lease given up or requeued)",
-    "store-data-lost-write-back": "not reached in this run (an owner's write on its own lease written back given "
-    "up after a loss); test_protocol_model.py's replayed a-taken-over-owner-writes-back-its-lease-given-up-after-"
-    "flushdb reaches it",
-    "renew-older-token-lease": "not reached in this run (a newer owner's renewal over an older write-back)",
-    "restore-finished-fence": "not reached in this run (a write-back after a finished result survived)",
-    "restore-renewed-a-ttl-ago": "not reached in this run (a write-back exactly a TTL after the renewal)",
-    "claim-lost-handoff-not-due": "needs an unrecorded hand-off, its process lost, then a claim before time passes",
-    "claim-handoff-sent": "needs a hand-off, its process lost, then said sent, then time passing and a claim",
-    "lapse-worker-sent": "needs a hand-off said sent without the worker's id, then that worker's lapse and a claim",
-}
 
 #: Guards that compare tokens and have no mutant, each with the reason none can be caught.
 UNMUTATED = {
+    # Unreachable while tokens never go back: the token epoch (begin_epoch.lua) moves the counter
+    # to the clock after every loss, so a fresh token is always above a lease's. Reaching them
+    # takes a counter moved back within its epoch, which the model refuses as such (every token
+    # above every earlier one): test_tokens.py checks the epoch itself.
+    ("cancel", "if tonumber(ARGV[1]) <= tonumber(cur[2] or '0') then"): "a cancel's fresh token is never at or "
+    "below the lease's (the token epoch)",
+    ("claim", "if token <= tonumber(f[2] or '0') then"): "a claim's fresh token is never at or below the "
+    "lease's (the token epoch)",
+    ("acquire", "if token <= held then"): "the counter never falls below a lease's token within its epoch",
+    ("restore", "elseif tonumber(counter) < token then"): "a counter below the restored token is moved to the "
+    "clock by the next epoch check before any token is taken",
     ("_lib", "elseif cur[2] ~= token then"): "owner_refusal: the ownerId check after it refuses every other "
     "token too (an owner id is one execution's, with one token)",
     ("_lib", "if not token then"): "fence_of: no fence in the meta (a parse, not a guard)",
@@ -268,19 +535,13 @@ def test_the_mutant_is_found_in_the_source(mutant: Mutant) -> None:
     assert scripts.script_header(mutant.script).count(mutant.guard) == 1, mutant.guard
 
 
-@pytest.mark.parametrize(
-    "mutant",
-    [
-        # Not strict: whether a run of the budget's size reaches these guards changes with the
-        # tokens the server's clock gives (and so the sequences the machine takes): some runs
-        # catch them, some do not. Each is listed with what would reach it.
-        pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="not caught reliably within the budget"))
-        if m.name in NOT_CAUGHT_YET and not os.environ.get("FENCED_MUTANT_ALL")
-        else m
-        for m in MUTANTS
-    ],
-    ids=lambda m: m.name,
-)
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_the_real_scripts_keep_the_contract_on_the_mutants_path(mutant: Mutant, model_client: redis.Redis) -> None:
+    """Without this, a sequence that breaks a rule on the real scripts would "catch" anything."""
+    run_sequence(mutant.machine, model_client, list(mutant.steps), tolerate=mutant.tolerate)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_model_catches_the_mutant(
     mutant: Mutant, model_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,7 +552,5 @@ def test_the_model_catches_the_mutant(
         return source.replace(mutant.guard, mutant.disabled) if name == mutant.script else source
 
     monkeypatch.setattr(scripts, "script_source", mutated)
-    machine = ProtocolMachine if mutant.losses else ProtocolWithoutLosses
-    machine.client = model_client
     with pytest.raises(Violation):
-        run_state_machine_as_test(machine, settings=machine_settings(MUTANT_EXAMPLES, shrink=False))
+        run_sequence(mutant.machine, model_client, list(mutant.steps), tolerate=mutant.tolerate)

@@ -71,6 +71,10 @@ TTL_MS = 600_000
 #: The reaper's requeue timeout: a claimed task is due again only when time passes for it.
 REQUEUE_MS = 600_000
 
+#: Until a retry Celery sends for a lost process is overdue (its countdown and the requeue
+#: timeout): far off, as the requeue timeout, so only time passing makes it due.
+RETRY_DUE_MS = 600_000
+
 #: The reaper's takeover grace, when a claim has one: a lease held or given up is due only
 #: once time passed past its expiry by more than this.
 GRACE_MS = 60_000
@@ -192,13 +196,15 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("stall", code)
         self.model.stalled(owner, code.value, mode != "expire")
 
-    @rule(owner=owners)
-    def process_lost(self, owner: Owner) -> None:
+    @rule(owner=owners, retried=st.booleans())
+    def process_lost(self, owner: Owner, retried: bool = False) -> None:
         """A prefork process lost under ``task_reject_on_worker_lost``: the worker's main
-        process gives up the lease that process owns (``lapse_now`` with its owner prefix)."""
-        code = self.store.lapse_now(owner.task_id, owner_prefix=owner.process)
-        self.count("process_lost", code)
-        self.model.process_lost(owner, code.value)
+        process gives up the lease that process owns (``lapse_now`` with its owner prefix);
+        ``retried``: under Celery 5.7's ``retry_on_worker_lost``, whose retry it waits for."""
+        retry_due_ms = RETRY_DUE_MS if retried else None
+        code = self.store.lapse_now(owner.task_id, owner_prefix=owner.process, retry_due_ms=retry_due_ms)
+        self.count("process_lost", f"{code}{' (retried)' if retried else ''}")
+        self.model.process_lost(owner, code.value, retried)
 
     @rule(task_id=st.sampled_from(TASK_IDS), past_grace=st.booleans())
     def time_passes(self, task_id: str, past_grace: bool = False) -> None:
@@ -925,7 +931,7 @@ def run_sequence(
     machine = machine_class()
     machine.violations.tolerated |= {name for name in tolerate.split(",") if name}
     owners: list[Owner] = []
-    defaults = {"task_id": TASK_IDS[0], "replacement": False, "unknown_too": False, "lapsed": False}
+    defaults = {"task_id": TASK_IDS[0], "replacement": False, "unknown_too": False, "lapsed": False, "grace": False}
     try:
         for name, given in steps:
             step = getattr(machine, name)

@@ -30,7 +30,9 @@ from celery_fenced._worker.process import WORKER_PROCESS
 from celery_fenced._worker.request import FencedRequest, cancelled_here
 from celery_fenced._worker.reservations import ReservationWriter
 from celery_fenced._worker.runtime import runtime_of
+from celery_fenced.conf import ensure_conf
 from tests.support.processes import wait_until
+from tests.unit.lease.helpers import server_ms
 
 HOSTNAME = "w1@host"
 
@@ -86,10 +88,12 @@ def worker_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         worker_state.task_ready(request)
 
 
-def received(app: Celery, task_name: str = "proj.report", expires: datetime | None = None) -> FencedRequest:
+def received(
+    app: Celery, task_name: str = "proj.report", expires: datetime | None = None, retries: int = 0
+) -> FencedRequest:
     """The worker request for a new message of ``task_name``, as the consumer builds it."""
     task = app.tasks[task_name]
-    sent = app.amqp.as_task_v2(str(uuid.uuid4()), task.name, args=(), kwargs={}, expires=expires)
+    sent = app.amqp.as_task_v2(str(uuid.uuid4()), task.name, args=(), kwargs={}, expires=expires, retries=retries)
     message = Message(
         body=dumps(sent.body),
         content_type="application/json",
@@ -163,20 +167,22 @@ def test_a_hard_time_limit_whose_message_celery_puts_back_says_so(
 
 
 @pytest.mark.parametrize(
-    ("task_name", "owner_pid", "given_up"),
+    ("task_name", "retries", "owner_pid", "outcome"),
     [
-        ("proj.late_and_sent_again", 4321, True),  # task_reject_on_worker_lost: the message is put back
-        ("proj.retried_when_lost", 4321, True),  # Celery 5.7's retry_on_worker_lost: a retry is sent
-        ("proj.late", 4321, False),  # not sent again: Celery's WorkerLostError write gives it up
-        ("proj.early", 4321, False),  # acked on receipt: not sent again either
-        ("proj.late_and_sent_again", 4322, False),  # another process's lease: kept
+        ("proj.late_and_sent_again", 0, 4321, "lapsed"),  # task_reject_on_worker_lost: the message is put back
+        ("proj.retried_when_lost", 0, 4321, "retrying"),  # Celery 5.7's retry_on_worker_lost: a retry is sent
+        ("proj.retried_when_lost", 3, 4321, "lapsed"),  # past max_retries: Celery writes the WorkerLostError
+        ("proj.late", 0, 4321, None),  # not sent again: Celery's WorkerLostError write gives it up
+        ("proj.early", 0, 4321, None),  # acked on receipt: not sent again either
+        ("proj.late_and_sent_again", 0, 4322, None),  # another process's lease: kept
+        ("proj.retried_when_lost", 0, 4322, None),  # the same
     ],
 )
 def test_a_lost_process_whose_message_is_sent_again_gives_up_the_lease_it_held(
-    app: Celery, task_name: str, owner_pid: int, given_up: bool, caplog: pytest.LogCaptureFixture
+    app: Celery, task_name: str, retries: int, owner_pid: int, outcome: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = app.backend.lease_store
-    lost = received(app, task_name)
+    lost = received(app, task_name, retries=retries)
     lost.on_accepted(4321, monotonic())
     owner = f"{HOSTNAME}/{owner_pid}/a1"  # the lost process, or another process of the same worker
     assert store.acquire(lost.id, owner, ttl_ms=60_000, task_name=lost.name, max_takeovers=3).outcome.runs
@@ -186,11 +192,20 @@ def test_a_lost_process_whose_message_is_sent_again_gives_up_the_lease_it_held(
     assert after is not None
     said = [r.getMessage() for r in caplog.records if r.name == "celery_fenced.worker.request"]
     # What is sent again takes the task over at once, not after the TTL: the request gives the
-    # lease up before Celery sends it.
-    given_up_here = f"task {task_name}[{lost.id}]: its process was lost: lease given up for a takeover"
-    assert said == ([given_up_here] if given_up else [])
-    if owner_pid == 4321:
-        assert after.status != "RUNNING" and after.raw["lapseReason"] == "worker-lost"
+    # lease up before Celery sends it. Celery's retry finds it waiting for that retry: a lease
+    # given up would be due at once, and the reaper would send the original call first.
+    given_up = f"task {task_name}[{lost.id}]: its process was lost: lease given up for a takeover"
+    kept = f"task {task_name}[{lost.id}]: its process was lost: lease kept for Celery's retry"
+    assert said == {"lapsed": [given_up], "retrying": [kept], None: []}[outcome]
+    if outcome == "lapsed" or (outcome is None and owner_pid == 4321):
+        assert after.status == "LAPSED" and after.raw["lapseReason"] == "worker-lost"
+    elif outcome == "retrying":
+        retry_delay, requeue_timeout = app.tasks[task_name].default_retry_delay, ensure_conf(app).requeue_timeout
+        assert after.lease_expire_at is not None
+        due_in = after.lease_expire_at - server_ms(store.client)
+        assert after.status == "RETRYING"
+        assert (retry_delay + requeue_timeout) * 1000 - 5_000 < due_in <= (retry_delay + requeue_timeout) * 1000
+        assert store.due_task_ids(10) == []
     else:
         assert after.status == "RUNNING"
 

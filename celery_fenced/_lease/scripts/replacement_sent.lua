@@ -29,6 +29,9 @@
 -- this token waits for its replacement)
 local r = redis.call('HMGET', KEYS[1], 'status', 'handoffToken', 'handoffWorker', 'handoffSent')
 local refusal, status = owner_refusal(KEYS[1], ARGV[1], ARGV[2])
+if refusal == 'not-owner' and r[1] == 'RESERVED' and r[2] == ARGV[2] then
+  refusal = nil  -- the replacement's reservation took the record's place (reserve.lua): finished
+end
 local mine = not refusal and status == 'HANDED_OFF' and r[2] == ARGV[2]
 if KEYS[3] and (mine or not (r[1] == 'HANDED_OFF' and r[3] == ARGV[3] and r[4] ~= '1')) then
   redis.call('ZREM', KEYS[3], KEYS[1])

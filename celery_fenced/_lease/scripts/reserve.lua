@@ -21,7 +21,8 @@
 -- received) becomes RESERVED; every other one is left alone: a live owner, a finished
 -- task (its lease may live on in its result only: fence_of()), a retry or a lapsed lease
 -- waiting for the reaper. A HANDED_OFF record becomes the reservation of the replacement
--- when the message names its handoffToken (a first start: attempt 0, its own call); a
+-- when the message names its handoffToken (a first start: attempt 0, its own call; the
+-- handing owner's id gone, so that owner's late hand-off, write or end is refused); a
 -- message that does not name the handoffToken a lease keeps is left alone (a copy of a
 -- message from before the hand-off: it does not run).
 --
@@ -50,6 +51,9 @@ for i = 3, #KEYS, 2 do
     end
     if status then
       redis.call('PERSIST', key)  -- the record kept its publish id; it expires no more
+      -- The owner that handed off owns nothing now: its token stays (no token handed out
+      -- again is below it), its id goes, so nothing of it lands on the replacement's lease.
+      redis.call('HDEL', key, 'ownerId')
     elseif ARGV[at + 4] ~= '' then
       fields[#fields + 1] = 'publishId'
       fields[#fields + 1] = ARGV[at + 4]

@@ -102,6 +102,8 @@ RETRYING = "RETRYING"
 DONE = "DONE"
 ABANDONED = "ABANDONED"
 HANDED_OFF = "HANDED_OFF"
+#: A worker received the task's message and no process started it yet (reserve.lua).
+RESERVED = "RESERVED"
 
 #: Statuses with a lease that an owner's token still fences (a late write of its owner lands).
 HELD = (RUNNING, LAPSED, REQUEUED, RETRYING)
@@ -248,6 +250,10 @@ class TaskModel:
     #: a key of it was evicted or expired: the model no longer knows exactly what Redis holds
     #: (until FLUSHDB); see :attr:`Violations.muted`
     uncertain: bool = False
+    #: RESERVED: the worker (one start of it) that holds the reservation
+    reserved_by: str = ""
+    #: the workers whose set of reservations (for lapse_worker.lua) names its lease
+    reservation_filed: set[str] = field(default_factory=set)
 
     def publish_of(self, message: str) -> str:
         """The publish id a message carries: a replacement keeps the replaced run's
@@ -375,12 +381,41 @@ class ProtocolModel:
             self.violated.truth("token-not-increasing", f"{by} handed out token {token}, not above {self.max_token}")
         self.max_token = max(self.max_token, token)
 
+    def received(self, task_id: str, message: str, worker: str, code: str) -> None:
+        """A worker received a copy of ``message`` and no process started it yet: a reservation
+        stands for it where no lease does, or for a message the reaper re-sent (REQUEUED), or
+        a copy received again (RESERVED); a replacement's after its hand-off (the message names
+        the record's token). Anything else is left alone: a live or given-up owner's lease, a
+        retry's, a finished task, a copy of a message a hand-off replaced."""
+        task = self.task(task_id)
+        header = self.handed_off_by(task_id, message)
+        if task.handoff_token and task.status not in FINAL and header != str(task.handoff_token):
+            expected = "left"  # a copy from before the hand-off
+        elif task.status in (NONE, RESERVED, REQUEUED, HANDED_OFF):
+            expected = "reserved"
+        else:
+            expected = "left"
+        if code != expected:
+            self.violated(
+                "model-mismatch",
+                f"{worker} received {message} of {task_id}: {code}, expected {expected} ({task.status})",
+            )
+        if code != "reserved":
+            return
+        if task.status == HANDED_OFF:
+            # The replacement's reservation: the record's waiting for it ends (its hand-off
+            # token stays on the lease, for the replacement's start and its copies).
+            task.lost_handoff = task.sent = task.recorded = False
+            task.resends, task.holder = 0, None
+        task.status, task.reserved_by, task.due, task.expired = RESERVED, worker, False, False
+        task.reservation_filed.add(worker)
+
     def acquired(self, owner: Owner, code: str, token: int, attempt: int, takeovers: int) -> None:
         task = self.task(owner.task_id)
         runs = code in ("new", "takeover")
         if task.status == RUNNING and not task.expired:
             expected = "duplicate"
-        elif task.status in HELD or task.status == NONE:
+        elif task.status in HELD or task.status in (NONE, RESERVED):
             expected = "runs"
         elif task.status == DONE:
             expected = "runs" if task.runs_again(owner.message) else "done"
@@ -500,7 +535,7 @@ class ProtocolModel:
         task.waits_ttl = False
         if task.status == RUNNING:
             task.expired = True
-        elif task.status in (REQUEUED, RETRYING) or (task.status == HANDED_OFF and task.lost_handoff):
+        elif task.status in (REQUEUED, RETRYING, RESERVED) or (task.status == HANDED_OFF and task.lost_handoff):
             task.due = True
         elif task.status == HANDED_OFF and task.recorded and task.sent:
             task.due = True  # said sent: the reaper looks whether the replacement started
@@ -528,9 +563,12 @@ class ProtocolModel:
                 self.violated("stale-restore", where)
             elif task.status in FINAL and task.forgotten:
                 self.violated("restore-after-forget", where)
-            elif task.status != NONE and not (task.status in HELD and not lapsed and owner.token > task.fence):
-                # An older token's lease where this owner's was (written after the store lost
-                # this owner's): the newer token wins, and writes its own in its place.
+            elif task.status != NONE and not (
+                task.status in (*HELD, RESERVED) and not lapsed and owner.token > task.fence
+            ):
+                # An older token's lease, or a copy's reservation, where this owner's was
+                # (written after the store lost this owner's): the newer token wins, and writes
+                # its own in its place.
                 self.violated("restore-over-state", where)
             elif owner.expired and not lapsed:
                 self.violated("restore-of-expired-lease", f"{where} after it had expired")
@@ -570,6 +608,10 @@ class ProtocolModel:
                 return self.violated("write-after-final", where)
             elif task.status == HANDED_OFF:
                 return self.violated("write-after-handoff", where)
+            elif task.handed_off_owner is owner and task.handoff_token == owner.token:
+                # Its hand-off stands (the replacement's reservation or run took the record's
+                # place): the owner that handed off owns nothing of the task any more.
+                return self.violated("write-after-handoff", f"{where}, after its hand-off")
         elif self.current(owner) and code == "missing" and owner.lease_gone:
             pass  # its own lease written back given up after the store lost it: nothing stored
         elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
@@ -784,6 +826,13 @@ class ProtocolModel:
         expected = 0
         self.violated.muted = any(task.uncertain for task in self.tasks.values())
         for task in self.tasks.values():
+            if worker in task.reservation_filed:
+                # Its reservation leaves the worker's set; one still RESERVED by that worker's
+                # host (not started, not received by another since) is due now.
+                task.reservation_filed.discard(worker)
+                if task.status == RESERVED and task.reserved_by == worker:
+                    task.due = True
+                    expected += 1
             if task.filed_worker != worker:
                 continue
             if task.filed and task.status == HANDED_OFF and not task.sent:
@@ -866,6 +915,8 @@ class ProtocolModel:
             allowed = {"abandoned"} if task.takeovers + 1 > MAX_TAKEOVERS else {"requeued"}
         elif task.status in (REQUEUED, RETRYING) and task.due:
             allowed = {"requeued", "waiting"}
+        elif task.status == RESERVED and task.due:
+            allowed = {"requeued"}  # "unstarted": sent again, never counted, never abandoned
         else:
             allowed = {"not-due"}
         if reserved <= task.fence:
@@ -895,8 +946,8 @@ class ProtocolModel:
         task = self.task(task_id)
         if task.status in FINAL:
             allowed = {"finished"}  # forget() keeps its tombstone (§4.5)
-        elif task.status in HELD:
-            allowed = {"cancelled"}
+        elif task.status in HELD or task.status == RESERVED:
+            allowed = {"cancelled"}  # a task received and not started yet too: it never starts
         elif task.result:
             allowed = {"finished", "cancelled"}
         elif task.status == HANDED_OFF:

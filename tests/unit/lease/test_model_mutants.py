@@ -188,6 +188,36 @@ MUTANTS = [
             ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
         ),
     ),
+    Mutant(
+        "reserve-copy-from-before-handoff",
+        "reserve",
+        "if cur[2] and cur[2] ~= ARGV[at + 5] then",
+        "if false then",
+        (("deliver", {"task_id": "t1"}), ("hand_off", {"owner": OWNER + "0"}), ("receive", {"task_id": "t1"})),
+    ),
+    Mutant(
+        "reserve-finished",
+        "reserve",
+        "elseif not status and finished_fence(KEYS[i + 1]) then",
+        "elseif false then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+            ("receive", {"task_id": "t1"}),
+        ),
+    ),
+    Mutant(
+        "reserve-handed-off-owner",
+        "reserve",
+        "redis.call('HDEL', key, 'ownerId')",
+        "",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("hand_off", {"owner": OWNER + "0"}),
+            ("receive", {"task_id": "t1", "replacement": True}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
+    ),
     # -- due checks
     Mutant(
         "acquire-live-lease",
@@ -406,6 +436,24 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "reserve-live-lease",
+        "reserve",
+        "  elseif status == 'RESERVED' or status == 'REQUEUED' then",
+        "  elseif true then",
+        (("deliver", {"task_id": "t1"}), ("receive", {"task_id": "t1"})),
+    ),
+    Mutant(
+        "lapse-worker-reserved-by",
+        "lapse_worker",
+        "if f[1] == 'RESERVED' and f[2] == ARGV[2] then",
+        "if f[1] == 'RESERVED' then",
+        (
+            ("receive", {"task_id": "t1", "worker": "wa/1/start"}),
+            ("receive", {"task_id": "t1", "worker": "wb/1/start"}),
+            ("worker_lapses", {"worker": "wa/1/start"}),
+        ),
+    ),
+    Mutant(
         "acquire-done",
         "acquire",
         "    if publish_id == '' or not run[1] or run[1] == publish_id or run[2] then",
@@ -470,10 +518,6 @@ UNMUTATED = {
     "again (a lost reply): the machine never repeats a call (test_lost_replies.py)",
     ("restore", "if fence == ARGV[2] then"): "which refusal code: 'finished' or 'stale-token', both refusals",
     ("restore", "if (ARGV[13] or '') ~= '' then"): "an optional argument, not a comparison",
-    ("reserve", "if cur[2] and cur[2] ~= ARGV[at + 5] then"): "reserve.lua is not among the machine's "
-    "steps yet (test_reserve.py)",
-    ("reserve", "elseif not status and finished_fence(KEYS[i + 1]) then"): "reserve.lua is not among the "
-    "machine's steps yet (test_reserve.py)",
     ("store", "if status == 'DONE' and token ~= '' and cur[2] == token"): "a write asked again (a lost "
     "reply): the same meta, so the same token (test_lost_replies.py)",
     ("release", "if (ARGV[10] or '') ~= '' then"): "an optional argument (the recorded replacement), not a token",
@@ -496,13 +540,13 @@ UNMUTATED = {
         "if held[1] ~= ARGV[1] or (held[2] ~= 'RUNNING' and held[2] ~= 'STALLED') then",
     ): "the trace context, not the protocol",
     ("claim", "if h[1] ~= 'worker-lost' or h[4] == '1' then"): "mutated as claim-handoff-sent",
-    ("lapse_worker", "if f[1] == 'RESERVED' and f[2] == ARGV[2] then"): "reservations: not among the "
-    "machine's steps yet",
     (
         "replacement_sent",
         "local mine = not refusal and status == 'HANDED_OFF' and r[2] == ARGV[2]",
     ): "mutated as replacement-sent-record",
     ("hand_back", "if status ~= 'HANDED_OFF' or record[1] ~= ARGV[2] then"): "mutated as hand-back-record",
+    ("replacement_sent", "if refusal == 'not-owner' and r[1] == 'RESERVED' and r[2] == ARGV[2] then"): "which "
+    "answer: 'finished' or 'not-owner', both tell the owner no hand-off of its token waits (it only logs it)",
 }
 
 #: A guard that compares tokens: an ``if``/``elseif`` (or a ``local mine``) naming a token,

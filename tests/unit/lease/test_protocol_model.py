@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 )
 
 from celery_fenced._lease.keys import KeySpace
-from celery_fenced._lease.state import LeaseStatus, ReleaseOutcome, as_text
+from celery_fenced._lease.state import LeaseStatus, ReleaseOutcome, Reservation, as_text
 from celery_fenced._lease.store import LeaseStore
 from tests.support.redis_server import RedisServer
 from tests.unit.lease.protocol_model import (
@@ -74,6 +74,10 @@ REQUEUE_MS = 600_000
 #: Until a retry Celery sends for a lost process is overdue (its countdown and the requeue
 #: timeout): far off, as the requeue timeout, so only time passing makes it due.
 RETRY_DUE_MS = 600_000
+
+#: Until a received message's reservation expires (its eta's delay and the start timeout): far
+#: off, so only time passing makes it due.
+RESERVE_MS = 600_000
 
 #: The reaper's takeover grace, when a claim has one: a lease held or given up is due only
 #: once time passed past its expiry by more than this.
@@ -180,6 +184,25 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("deliver", answer.outcome)
         self.model.acquired(owner, answer.outcome.value, answer.token, answer.attempt, answer.takeovers)
         return owner if answer.outcome.runs else multiple()
+
+    @rule(task_id=st.sampled_from(TASK_IDS), replacement=st.booleans(), worker=st.sampled_from(WORKERS))
+    def receive(self, task_id: str, replacement: bool, worker: str = WORKERS[0]) -> None:
+        """A worker receives a copy of the task's message (the original, or the newest
+        replacement) and holds it before any process starts it (prefetched, an eta):
+        ``reserve.lua`` records its reservation, filed under the worker."""
+        message = self.model.publish_to_deliver(task_id, replacement)
+        reservation = Reservation(
+            task_id,
+            expires_in_ms=RESERVE_MS,
+            task_name="model.task",
+            call={"args": [], "kwargs": {}},
+            max_takeovers=MAX_TAKEOVERS,
+            publish_id=self.model.tasks[task_id].publish_of(message),
+            handed_off_by=self.model.handed_off_by(task_id, message),
+        )
+        (code,) = self.store.reserve_many([reservation], reserved_by=worker.split("/")[0], worker_id=worker)
+        self.count("receive", code)
+        self.model.received(task_id, message, worker, code.value)
 
     @rule(owner=owners)
     def renew(self, owner: Owner) -> None:
@@ -364,7 +387,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.count("hand_back", code)
         self.model.handed_back(owner, code.value)
 
-    @precondition(lambda self: any(task.filed_worker for task in self.model.tasks.values()))
+    @precondition(lambda self: any(t.filed_worker or t.reservation_filed for t in self.model.tasks.values()))
     @rule(worker=st.sampled_from(WORKERS))
     def worker_lapses(self, worker: str = WORKERS[0]) -> None:
         """One of the owners' workers dies or freezes: it said it was alive

@@ -115,3 +115,25 @@ def test_dropped_reservations_leave_their_workers_reservations(store: LeaseStore
     assert store.lapse_reserved(["a", "b"], "w1@host", "w1@host/1/x") == 1
     assert redis_client.zcard(store.keys.reserved_by("w1@host/1/x")) == 0
     assert redis_client.zcard(store.keys.reserved_by("w2@host/1/y")) == 1
+
+
+def test_the_replacements_reservation_leaves_nothing_to_the_owner_that_handed_off(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # The hand-off's record becomes the replacement's reservation: the owner that handed off
+    # keeps no hold on it (no write, end or second hand-off of its lands), and its word that it
+    # sent the replacement answers that no hand-off of its token waits any more.
+    owner = held(store, owner="host/1/a", call=CALL, publish_id="p1")
+    assert store.hand_off("t1", "host/1/a", owner.owner_token, keep_ms=0) == "ok"
+    replacement = Reservation(
+        "t1", 60_000, "proj.other", CALL, 3, publish_id="p1", handed_off_by=str(owner.owner_token)
+    )
+    assert store.reserve_many([replacement], "w2") == ["reserved"]
+    assert store.replacement_sent("t1", "host/1/a", owner.owner_token) == "finished"
+    late = store.store(
+        "t1", owner.owner_token, b"late", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a"
+    )
+    assert not late.stored
+    assert store.hand_off("t1", "host/1/a", owner.owner_token, keep_ms=0) == "not-owner"
+    assert redis_client.get(store.keys.result("t1")) is None
+    assert store.read("t1").status == "RESERVED"  # type: ignore[union-attr]

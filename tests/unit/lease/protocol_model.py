@@ -105,8 +105,9 @@ HANDED_OFF = "HANDED_OFF"
 #: A worker received the task's message and no process started it yet (reserve.lua).
 RESERVED = "RESERVED"
 
-#: Statuses with a lease that an owner's token still fences (a late write of its owner lands).
-HELD = (RUNNING, LAPSED, REQUEUED, RETRYING)
+#: Statuses with a lease that an owner's token still fences (a late write of its owner lands;
+#: RESERVED: only one made of a REQUEUED lease keeps an owner, its holder).
+HELD = (RUNNING, LAPSED, REQUEUED, RETRYING, RESERVED)
 
 #: Final statuses (ABANDONED until a redrive).
 FINAL = (DONE, ABANDONED)
@@ -415,7 +416,7 @@ class ProtocolModel:
         runs = code in ("new", "takeover")
         if task.status == RUNNING and not task.expired:
             expected = "duplicate"
-        elif task.status in HELD or task.status in (NONE, RESERVED):
+        elif task.status in HELD or task.status == NONE:
             expected = "runs"
         elif task.status == DONE:
             expected = "runs" if task.runs_again(owner.message) else "done"
@@ -563,9 +564,7 @@ class ProtocolModel:
                 self.violated("stale-restore", where)
             elif task.status in FINAL and task.forgotten:
                 self.violated("restore-after-forget", where)
-            elif task.status != NONE and not (
-                task.status in (*HELD, RESERVED) and not lapsed and owner.token > task.fence
-            ):
+            elif task.status != NONE and not (task.status in HELD and not lapsed and owner.token > task.fence):
                 # An older token's lease, or a copy's reservation, where this owner's was
                 # (written after the store lost this owner's): the newer token wins, and writes
                 # its own in its place.
@@ -588,6 +587,10 @@ class ProtocolModel:
             self.violated("model-mismatch", f"{where}: expired, for an owner that renewed less than a TTL ago")
         elif task.status == NONE and (lapsed or not owner.expired) and owner.token >= task.fence and not task.result:
             self.violated("model-mismatch", f"{owner!r} restore answered {code} for a vanished lease")
+        if code != "restored" and not (code == "expired" and not lapsed):
+            # Refused: the owner is told it lost (its heartbeat, or its write's take-back); an
+            # expired one writes its lease back given up next (the machine's tick asks that).
+            owner.believes_live = False
 
     # -- writes and ends ----------------------------------------------------------------
 
@@ -946,7 +949,7 @@ class ProtocolModel:
         task = self.task(task_id)
         if task.status in FINAL:
             allowed = {"finished"}  # forget() keeps its tombstone (§4.5)
-        elif task.status in HELD or task.status == RESERVED:
+        elif task.status in HELD:
             allowed = {"cancelled"}  # a task received and not started yet too: it never starts
         elif task.result:
             allowed = {"finished", "cancelled"}

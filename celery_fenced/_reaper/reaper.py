@@ -43,6 +43,7 @@ from .._lease.liveness_store import hostname_of
 from .._lease.state import ClaimOutcome, ClaimResult, LeaseState
 from .._lease.store import is_fenced, lease_store_of
 from .._telemetry import events, tracing
+from .._telemetry.events import RETRY_CAUSE
 from .._telemetry.process import TELEMETRY
 from ..conf import DEFAULTS, add_defaults, ensure_conf
 from ..exceptions import ConfigurationError, TaskAbandonedError
@@ -161,14 +162,24 @@ def _handle_claim(app: Celery, result: ClaimResult, report: ReapReport) -> None:
     elif result.code == ClaimOutcome.REQUEUED and state is not None:
         resend(app, state, cause=result.cause)
         report.requeued.append(result.task_id)
-        logger.warning(
-            "takeover: task %s[%s] re-sent (cause=%s, takeovers=%d, last token=%d)",
-            state.task_name,
-            state.task_id,
-            result.cause,
-            state.takeovers,
-            state.owner_token,
-        )
+        if result.cause == RETRY_CAUSE:
+            # Celery's retry message did not start in time: sent again, still a retry.
+            logger.warning(
+                "retry: task %s[%s] re-sent (cause=retry: its retry did not start by its eta plus "
+                "fenced_requeue_timeout; a retry, not a takeover; last token=%d)",
+                state.task_name,
+                state.task_id,
+                state.owner_token,
+            )
+        else:
+            logger.warning(
+                "takeover: task %s[%s] re-sent (cause=%s, takeovers=%d, last token=%d)",
+                state.task_name,
+                state.task_id,
+                result.cause,
+                state.takeovers,
+                state.owner_token,
+            )
         if result.cause in ("stalled", "gone", "unstarted"):
             TELEMETRY.metrics.inc("owner_takeover_total", cause=result.cause)
         _tell(app, state, result.cause, abandoned=False)

@@ -2,7 +2,8 @@
 
 Types (each with ``uuid``, ``token``, ``stage`` and ``attempt``): ``task-progress`` (sent by
 the heartbeat after an attempt's first renewal and after a renewal that published a new stage
-or new details, and at once by the acquire of a takeover), ``task-stalled``,
+or new details, and at once by the acquire of a takeover or a retry; a retry's carries
+``cause`` :data:`RETRY_CAUSE`), ``task-stalled``,
 ``task-lease-lost``, ``task-takeover``, ``task-fenced`` and ``task-abandoned``; and Celery's
 ``task-failed`` for an attempt stopped at ``fenced_max_task_duration``; and, from the
 operator's commands, Celery's ``task-revoked`` for a cancel and ``task-takeover`` for a
@@ -29,6 +30,7 @@ __all__ = [
     "CELERY_EVENT_TYPES",
     "EVENT_TYPES",
     "REDRIVE_CAUSE",
+    "RETRY_CAUSE",
     "EventSubject",
     "configure",
     "enabled",
@@ -58,6 +60,12 @@ CELERY_EVENT_TYPES = ("task-failed", "task-revoked")
 #: them at once, whatever Celery's order of states says.
 CANCEL_CAUSE = "cancel"
 REDRIVE_CAUSE = "redrive"
+
+#: The ``cause`` of an event about a Celery retry, not a takeover: the acquire of a retried
+#: run (its ``task-progress``, with ``retries`` and ``reason``), and the reaper's
+#: ``task-takeover`` when it sends a retry again whose message never started (the claim's
+#: cause). Flower's integration shows both as a retry.
+RETRY_CAUSE = "retry"
 
 
 def configure(*, enabled: bool | None = None, hostname: str | None = None) -> None:

@@ -574,14 +574,15 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         lease.attempt,
         _what_came_before(result.previous_status, request),
     )
+    retry = result.previous_status == LeaseStatus.RETRYING
     if result.previous_status:
         # A takeover is news: Flower learns the new, higher token at once (and from then on
         # ignores the old owner's events), even if the attempt ends before a heartbeat tick.
         # A first attempt is announced by its first renewal: an event per task would cost
-        # every short task one more broker publish.
+        # every short task one more broker publish. A retry says so, and which one it is.
         lease.announce()
-        events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers)
-    retry = result.previous_status == LeaseStatus.RETRYING
+        said = _retry_said(request) if retry else {}
+        events.send_about(task.app, "task-progress", lease, version=0, takeovers=lease.takeovers, **said)
     fenced_signals.lease_acquired.send(
         sender=task.name,
         task_id=request.id,
@@ -599,8 +600,17 @@ def _what_came_before(previous_status: str, request: Any) -> str:
     if not previous_status:
         return ""
     if previous_status == LeaseStatus.RETRYING:
-        return f" (retry {getattr(request, 'retries', None) or '?'} of the task, not a takeover)"
+        return f" ({_retry_words(request)})"
     return f" (takeover of a {previous_status} lease)"
+
+
+def _retry_words(request: Any) -> str:
+    return f"retry {getattr(request, 'retries', None) or '?'} of the task, not a takeover"
+
+
+def _retry_said(request: Any) -> dict[str, Any]:
+    """What the acquire's event of a retried run adds: Flower shows the attempt as a retry."""
+    return {"cause": events.RETRY_CAUSE, "retries": getattr(request, "retries", None), "reason": _retry_words(request)}
 
 
 def release(task: Any, request: Any, state: str | None) -> None:

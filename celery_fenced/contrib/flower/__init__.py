@@ -13,6 +13,9 @@ state so that:
   current owner progresses;
 * ``task-stalled`` shows as ``STALLED``, and so does a lease lost while the task waits to be
   taken over; ``task-takeover`` as ``TAKEOVER`` until the new owner starts;
+* a retry is called a retry: the reaper's ``task-takeover`` of a retry whose message never
+  started (cause ``retry``) keeps the task ``RETRY``, and the attempt that acquired after a
+  retry says so in its reason (its acquire's event carries cause ``retry``);
 * what an operator or the reaper did shows at once, whatever Celery's state order says (a
   READY state is normally never left): a task cancelled with ``celery fenced cancel`` shows
   ``REVOKED`` (the cancel sends the event itself), an abandoned one ``FAILURE`` with its
@@ -38,11 +41,21 @@ from typing import Any
 from celery import states
 from celery.events.state import State, Task
 
-from ..._telemetry.events import CANCEL_CAUSE, REDRIVE_CAUSE
+from ..._telemetry.events import CANCEL_CAUSE, REDRIVE_CAUSE, RETRY_CAUSE
 from ...exceptions import TaskAbandonedError
-from ._attempts import ATTEMPT_FIELDS, OUTCOMES, TABLE_MARK, AttemptHistory, cancel_reason, is_cancel, token_of
+from ._attempts import (
+    ATTEMPT_FIELDS,
+    ATTEMPTS_LEGEND,
+    OUTCOMES,
+    TABLE_MARK,
+    AttemptHistory,
+    cancel_reason,
+    is_cancel,
+    token_of,
+)
 
 __all__ = [
+    "ATTEMPTS_LEGEND",
     "ATTEMPT_FIELDS",
     "LEASE_FIELDS",
     "OUTCOMES",
@@ -182,6 +195,8 @@ def _as_celery_event(event: dict[str, Any]) -> dict[str, Any]:
         if is_cancel(str(event.get("reason") or "")):
             return dict(event, type="task-revoked", terminated=False, expired=False, signum=None)
         return dict(event, type="task-stalled")  # first news of the task: it waits to be taken over
+    if kind == "task-takeover" and event.get("cause") == RETRY_CAUSE:
+        return dict(event, type="task-retried")  # a retry sent again: still a retry, not a TAKEOVER
     if kind == "task-abandoned":
         error = TaskAbandonedError.of(str(event.get("uuid")))
         return dict(event, type="task-failed", exception=repr(error), traceback="")
@@ -300,4 +315,5 @@ def attempts_table(history: AttemptHistory, humanize: Any = None) -> str:
         "<tr>" + "".join(cell(name, entry.get(name)) for name in ATTEMPT_FIELDS) + "</tr>" for entry in history
     )
     table = '<table class="table table-sm fenced-attempts">'
-    return f"{table}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    legend = f'<caption class="fenced-legend small">{html.escape(ATTEMPTS_LEGEND)}</caption>'
+    return f"{table}{legend}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._telemetry.events import CANCEL_CAUSE
+from ..._telemetry.events import CANCEL_CAUSE, RETRY_CAUSE
 
-__all__ = ["ATTEMPT_FIELDS", "OUTCOMES", "TABLE_MARK", "AttemptHistory", "cancel_reason", "is_cancel", "token_of"]
+__all__ = [
+    "ATTEMPTS_LEGEND",
+    "ATTEMPT_FIELDS",
+    "OUTCOMES",
+    "TABLE_MARK",
+    "AttemptHistory",
+    "cancel_reason",
+    "is_cancel",
+    "token_of",
+]
 
 #: The fields of one entry of ``attempts``.
 ATTEMPT_FIELDS = ("attempt", "token", "worker", "started", "ended", "stage", "outcome", "reason")
@@ -34,6 +43,13 @@ _CELERY_ENDINGS = {
     "task-revoked": "cancelled",
 }
 TABLE_MARK = "\u2063celery-fenced-attempts\u2063"  # stands for the table on the task page
+
+#: What the numbers mean, shown under the attempts (and the task's Attempt and Takeovers).
+ATTEMPTS_LEGEND = (
+    "Attempt: every run that took the lease: the first, each Celery retry (self.retry, autoretry_for) "
+    "and each takeover. Takeovers: only the reaper's re-sends of a stalled or dead owner's task; "
+    "a retry is not one. So two retries show attempt 3, takeovers 0."
+)
 
 
 class AttemptHistory(list[dict[str, Any]]):
@@ -123,11 +139,17 @@ class AttemptHistory(list[dict[str, Any]]):
         if kind == "task-progress":
             if entry["outcome"] == "stalled":
                 entry["outcome"] = "running"
+            if event.get("cause") == RETRY_CAUSE and not entry["reason"]:  # the acquire of a retried run
+                entry["reason"] = str(event.get("reason") or "a retry, not a takeover")
         elif kind == "task-stalled":
             entry.update(outcome="stalled", reason=f"no progress within the {event.get('bound') or 'stage'}")
         elif kind == "task-lease-lost":
             reason = str(event.get("reason") or "")
             entry.update(outcome="cancelled" if is_cancel(reason) else "lease-lost", reason=reason)
+            entry["ended"] = entry["ended"] or when
+        elif kind == "task-takeover" and event.get("cause") == RETRY_CAUSE:
+            # The reaper sent a retry again whose message never started: still a retry.
+            entry.update(outcome="retried", reason="retried; its retry did not start in time and was sent again")
             entry["ended"] = entry["ended"] or when
         elif kind == "task-takeover":
             if entry["outcome"] in ("running", "stalled"):

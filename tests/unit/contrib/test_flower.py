@@ -481,3 +481,36 @@ def test_a_flower_started_mid_way_lists_the_attempt_under_its_own_number() -> No
         at(5.1, "task-progress", token=T2, stage="", attempt=3, takeovers=2),
     )
     assert attempts_of(task) == [(3, T2, "running")]
+
+
+def test_a_retry_is_shown_as_a_retry_not_a_takeover_and_the_numbers_are_explained() -> None:
+    """Two things said a takeover of a retry: the reaper's re-send of a retry whose message never
+    started (cause ``retry``), and the retried run's acquire. Both say retry now."""
+    received = at(0, "task-received", name="proj.report", args="()", kwargs="{}")
+    first = (
+        at(0.1, "task-started", pid=41),
+        at(0.6, "task-progress", token=T1, stage="load-data", attempt=1),
+        at(0.7, "task-retried", exception="Retry(countdown=5)", traceback=""),
+    )
+    resent = at(66.0, "task-takeover", token=T1, stage="load-data", attempt=1, takeovers=0, cause="retry")
+    task = state_of(received, *first, resent)
+    assert task.state == states.RETRY  # not TAKEOVER: nobody took anything over
+    assert attempts_of(task) == [(1, T1, "retried")]
+    assert "sent again" in task.attempts[0]["reason"]
+    retried_run = at(
+        66.2,
+        "task-progress",
+        token=T2,
+        stage="",
+        attempt=2,
+        takeovers=0,
+        cause="retry",
+        retries=1,
+        reason="retry 1 of the task, not a takeover",
+    )
+    task = state_of(received, *first, at(66.1, "task-started", pid=41), retried_run)
+    assert attempts_of(task) == [(1, T1, "retried"), (2, T2, "running")]
+    assert task.attempts[1]["reason"] == "retry 1 of the task, not a takeover"
+    assert (task.cause, task.takeovers) == ("retry", 0)
+    table = attempts_table(task.attempts)
+    assert "two retries show attempt 3, takeovers 0" in table and "a retry is not one" in table

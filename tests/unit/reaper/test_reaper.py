@@ -195,3 +195,17 @@ def test_a_failed_pass_names_the_commands_the_lease_redis_user_may_not_run(
     finally:
         with redis_server.client() as admin:
             admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_retry_sent_again_is_logged_as_a_retry_not_a_takeover(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    """A retry whose message did not start by its due time is sent again: still a retry."""
+    store = app.backend.lease_store
+    owner = store.acquire("r1", "host/1/a", ttl_ms=60_000, task_name="proj.report", max_takeovers=3, call=CALL).state
+    stored = store.store("r1", owner.owner_token, b"r", state="RETRY", kind="retry", expires_ms=0, retry_due_ms=1)
+    assert str(stored.code) == "stored"
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.reaper"):
+        report = reap(app, now=store.server_time_ms() / 1000 + 5)
+    assert report.requeued == ["r1"]
+    (line,) = [r.getMessage() for r in caplog.records if "re-sent" in r.getMessage()]
+    assert line.startswith("retry: task proj.report[r1] re-sent (cause=retry:"), line
+    assert "not a takeover" in line and "takeover:" not in line

@@ -18,6 +18,7 @@ from celery.app.trace import build_tracer
 from celery_fenced import ProgressLeasedTask
 from celery_fenced._lease.state import StoreResult
 from celery_fenced._task.running import current_lease, set_current_lease
+from celery_fenced._telemetry import events
 from celery_fenced._worker import hooks
 from celery_fenced._worker.lifecycle import heartbeat_for, stop_heartbeats
 from celery_fenced._worker.runtime import runtime_of
@@ -202,3 +203,25 @@ def test_a_retry_is_called_a_retry_and_a_takeover_a_takeover_when_the_lease_is_a
         _run(traced, task, "taken", retries=1)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lease acquired")]
     assert line.endswith("attempt=2 (takeover of a LAPSED lease)"), line
+
+
+def test_a_retried_runs_acquire_tells_flower_it_is_a_retry(traced: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(events, "send_about", lambda app, kind, lease, **fields: sent.append((kind, fields)))
+
+    @traced.task(bind=True, base=ProgressLeasedTask, shared=False)
+    def retried_twice(self: Any) -> None:
+        if self.request.retries < 2:
+            raise self.retry(countdown=100)
+
+    traced.finalize()
+    task = traced.tasks[retried_twice.name]
+    task_id = str(uuid.uuid4())
+    for retries in range(3):
+        _run(traced, task, task_id, retries=retries)
+    acquired = [fields for kind, fields in sent if kind == "task-progress" and fields.get("version") == 0]
+    assert [(f["cause"], f["retries"], f["reason"]) for f in acquired] == [
+        ("retry", 1, "retry 1 of the task, not a takeover"),
+        ("retry", 2, "retry 2 of the task, not a takeover"),
+    ]
+    assert all(f["takeovers"] == 0 for f in acquired)

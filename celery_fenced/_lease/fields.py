@@ -93,7 +93,9 @@ _FIELDS = (
         "status", "text", "RUNNING, STALLED, LAPSED, REQUEUED, RETRYING, RESERVED, HANDED_OFF, DONE or ABANDONED"
     ),
     LeaseField("ownerId", "text", "the owner: hostname, pid and a per-attempt id"),
-    LeaseField("ownerToken", "int", "the fencing token of the current (or last) owner"),
+    LeaseField(
+        "ownerToken", "int", "the fencing token of the current (or last) owner; after a cancel, the cancel's own"
+    ),
     LeaseField("taskName", "text", "the task's registered name"),
     LeaseField("attempt", "int", "executions of the task id that acquired, 1 for the first"),
     LeaseField("takeovers", "int", "reaper claims that counted as takeovers"),
@@ -124,6 +126,9 @@ _FIELDS = (
     LeaseField("successKept", "int", "1: a SUCCESS of an earlier run is kept while the task runs again"),
     LeaseField("cancelledAt", "time", "when the cancel command ended it"),
     LeaseField("cancelledFrom", "text", "the status the cancel found (the same cancel asked again, same answer)"),
+    LeaseField(
+        "cancelledOwnerToken", "int", "the owner's token (current or last) the cancel found; ownerToken: the cancel's"
+    ),
     LeaseField(
         "handoffToken", "int", "the token that handed the task id to a replacement; only its message runs since"
     ),

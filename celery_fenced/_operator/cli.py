@@ -28,12 +28,14 @@ from ..conf import TaskPolicy, ensure_conf
 from ..exceptions import ConfigurationError
 from . import control
 from .listing import (
+    COUNTS_LEGEND,
     LEASE_HEADERS,
     WORKER_HEADERS,
     lease_cells,
     lease_row,
     render_lease,
     seconds,
+    shown_fields,
     table,
     worker_cells,
     worker_row,
@@ -141,6 +143,8 @@ def status(
         click.echo(json.dumps([lease_row(state, now) for state in rows]))
         return
     click.echo(table(LEASE_HEADERS, [lease_cells(lease_row(state, now)) for state in rows]))
+    if rows:
+        click.echo(COUNTS_LEGEND)
     click.echo(f"{len(rows)} lease(s)")
 
 
@@ -159,13 +163,16 @@ def _print_workers(store: LeaseStore, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The lease as one JSON object, typed.")
 @click.pass_context
 def inspect(ctx: click.Context, task_id: str, as_json: bool) -> None:
-    """The whole lease of TASK_ID: typed fields, times as dates and ages, and the recorded call."""
+    """The whole lease of TASK_ID: typed fields, times as dates and ages, and the recorded call.
+
+    After a cancel, ownerToken is the owner's token and cancelToken the cancel's.
+    """
     app = _app(ctx)
     store = _store(app)
     state = control.inspect(app, task_id)
     if state is None:
         raise click.ClickException(f"task {task_id} has no lease (unknown, or its lease expired)")
-    fields = state.typed_fields()
+    fields = shown_fields(state.typed_fields())
     if as_json:
         click.echo(json.dumps(fields, indent=2, sort_keys=True))
         return

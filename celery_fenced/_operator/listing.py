@@ -18,12 +18,14 @@ from .._lease.liveness_store import hostname_of
 from .._lease.state import LeaseState
 
 __all__ = [
+    "COUNTS_LEGEND",
     "LEASE_HEADERS",
     "WORKER_HEADERS",
     "lease_cells",
     "lease_row",
     "render_lease",
     "seconds",
+    "shown_fields",
     "table",
     "typed_fields",
     "worker_cells",
@@ -43,6 +45,20 @@ LEASE_HEADERS = (
     "ATTEMPT",
     "TAKEOVERS",
 )
+
+#: What ATTEMPT and TAKEOVERS count, under ``status``'s table.
+COUNTS_LEGEND = (
+    "ATTEMPT: runs that took the lease (the first, each Celery retry, each takeover); "
+    "TAKEOVERS: the reaper's re-sends of a stalled or dead owner's task (a retry is not one)"
+)
+
+#: What ``inspect`` says beside a field.
+_NOTES = {
+    "attempt": "runs that took the lease: the first, each Celery retry, each takeover",
+    "takeovers": "the reaper's re-sends of a stalled or dead owner's task; retries are not counted",
+    "ownerToken": "the owner's",
+    "cancelToken": "the cancel's: it fences every later write",
+}
 
 #: The columns of ``status --workers``'s table.
 WORKER_HEADERS = ("WORKER", "PID", "RESERVED", "LEFT", "STATE")
@@ -131,6 +147,22 @@ def typed_fields(raw: Mapping[str, str]) -> dict[str, Any]:
     return typed(raw)
 
 
+def shown_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The typed lease as ``inspect`` shows it: after a cancel, ``ownerToken`` is the owner's
+    token and ``cancelToken`` the cancel's.
+
+    In the hash a cancel's token takes ``ownerToken`` (it fences every later write) and the
+    owner's moves to ``cancelledOwnerToken``; ``None`` when no owner ever held the lease (a
+    task cancelled in the queue), or the cancel came before the hash kept it.
+    """
+    shown = dict(fields)
+    if shown.get("cancelledAt") is None:
+        return shown
+    shown["cancelToken"] = shown.get("ownerToken")
+    shown["ownerToken"] = shown.pop("cancelledOwnerToken", None)
+    return shown
+
+
 def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
     """A lease for people: one field per line, times as ISO dates with their age, the call as a block."""
     lines = [f"task {task_id}"]
@@ -146,8 +178,9 @@ def render_lease(task_id: str, fields: Mapping[str, Any], now_ms: int) -> str:
         elif isinstance(value, Mapping):
             shown = json.dumps(value, sort_keys=True, ensure_ascii=False)
         else:
-            shown = str(value) if value != "" else "-"
-        lines.append(f"  {name.ljust(width)}  {shown}")
+            shown = str(value) if value not in ("", None) else "-"
+        note = f"  ({_NOTES[name]})" if name in _NOTES else ""
+        lines.append(f"  {name.ljust(width)}  {shown}{note}")
     call = fields.get("call")
     if isinstance(call, Mapping):
         lines.append("  call:")

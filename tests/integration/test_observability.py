@@ -76,12 +76,14 @@ def test_status_inspect_cancel_and_tune(cluster: Cluster) -> None:
     assert inspected["details"]["note"] == "é" and inspected["details"]["polls"] >= 1
     assert inspected["call"]["task"] == "tests.integration.apps.fenced_app.progress_until_told"
     readable = cluster.cli("inspect", result.id).stdout
-    assert re.search(rf"^  ownerToken +{token}$", readable, re.M), readable
+    assert re.search(rf"^  ownerToken +{token}  \(the owner's\)$", readable, re.M), readable
     assert re.search(r'^  details +\{"note": "é", "polls": \d+\}$', readable, re.M), readable
     assert re.search(r"^  lastProgressAt +20\d\d-\d\d-\d\dT[0-9:.]+Z \(\d+\.\ds ago\)$", readable, re.M), readable
     assert "  call:\n    tests.integration.apps.fenced_app.progress_until_told(\n    )" in readable, readable
     assert cluster.cli("cancel", result.id).stdout.strip() == f"{result.id}: cancelled"
     wait_until(lambda: json.loads(cluster.cli("inspect", "--json", result.id).stdout)["status"] == "DONE", 10, "DONE")
+    cancelled = json.loads(cluster.cli("inspect", "--json", result.id).stdout)
+    assert cancelled["ownerToken"] == token and cancelled["cancelToken"] > token  # the owner's, and the cancel's
     assert cluster.cli("redrive", result.id).returncode == 1  # not abandoned
     for _ in range(3):
         app.steady.delay(5, 0.3).get(timeout=15)  # 1.5 s in load-data, 0.3 s between progress calls

@@ -172,7 +172,7 @@ end
 
 local function end_as_tombstone(key, fields)
   local names = {'ownerId', 'ownerToken', 'attempt', 'takeovers', 'publishId', 'taskName', 'cancelledAt',
-    'successKept', 'handoffToken', 'handedOffAt'}
+    'cancelledOwnerToken', 'successKept', 'handoffToken', 'handedOffAt'}
   local values = redis.call('HMGET', key, unpack(names))
   redis.call('DEL', key)
   local kept = {'status', 'DONE'}

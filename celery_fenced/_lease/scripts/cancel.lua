@@ -17,6 +17,9 @@
 --   a result stored and its lease gone) | "unknown" (no lease, no result, ARGV[4] "0") |
 --   "retry-later" (the reserved token is not newer than the lease's)
 --
+-- The cancel's token becomes ownerToken (it fences every later write); the token the owner
+-- held (the current or last one) is kept as cancelledOwnerToken, so inspect shows both.
+--
 -- A cancel asked again (its reply was lost to a connection error, and the client sent it
 -- again) gets the same answer: its token is the cancel's own, and the status it found is
 -- kept (cancelledFrom). Otherwise the repeat would answer "finished", and the caller would
@@ -46,6 +49,10 @@ write_result(KEYS[2], ARGV[2], expires)
 redis.call('ZREM', KEYS[3], KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'DONE', 'ownerToken', ARGV[1], 'leaseExpireAt', now,
   'finishedAt', now, 'resultState', 'REVOKED', 'cancelledAt', now, 'cancelledFrom', status)
+-- The owner's token, for inspect: ownerToken is the cancel's from now on.
+if cur[2] then
+  redis.call('HSET', KEYS[1], 'cancelledOwnerToken', cur[2])
+end
 if expires > 0 then
   redis.call('PEXPIRE', KEYS[1], expires)
 end

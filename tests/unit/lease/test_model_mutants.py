@@ -491,6 +491,9 @@ UNMUTATED = {
     ("acquire", "if token <= held then"): "the counter never falls below a lease's token within its epoch",
     ("restore", "elseif tonumber(counter) < token then"): "a counter below the restored token is moved to the "
     "clock by the next epoch check before any token is taken",
+    # Not a guard of a write: matched by the pattern only.
+    ("cancel", "if cur[2] then"): "keeps the owner's token as cancelledOwnerToken for inspect: it decides "
+    "no write and no answer",
     ("_lib", "elseif cur[2] ~= token then"): "owner_refusal: the ownerId check after it refuses every other "
     "token too (an owner id is one execution's, with one token)",
     ("_lib", "if not token then"): "fence_of: no fence in the meta (a parse, not a guard)",

@@ -55,6 +55,34 @@ def test_inspect_shows_the_typed_lease_and_says_when_there_is_none(fenced_app: C
     assert missing.exit_code == 1 and "task nothing has no lease" in missing.output
 
 
+def test_inspect_after_a_cancel_shows_the_owners_token_and_the_cancels_as_the_cancels(fenced_app: Celery) -> None:
+    owner = running(fenced_app, "x1")
+    assert run(fenced_app, "cancel", "x1").output.strip() == "x1: cancelled"
+    fields = json.loads(run(fenced_app, "inspect", "x1", "--json").output)
+    assert fields["ownerToken"] == owner.owner_token  # the owner's, not the cancel's
+    assert fields["cancelToken"] > owner.owner_token and "cancelledOwnerToken" not in fields
+    assert fenced_app.backend.get_task_meta("x1")["fence_token"] == fields["cancelToken"]
+    lines = run(fenced_app, "inspect", "x1").output.splitlines()
+    (owner_line,) = [line for line in lines if line.split()[0] == "ownerToken"]
+    (cancel_line,) = [line for line in lines if line.split()[0] == "cancelToken"]
+    assert owner_line.split(None, 2)[1:] == [str(owner.owner_token), "(the owner's)"]
+    assert cancel_line.split()[1] == str(fields["cancelToken"]) and "(the cancel's" in cancel_line
+    assert run(fenced_app, "cancel", "--force", "q1").output.strip() == "q1: cancelled"
+    never_ran = json.loads(run(fenced_app, "inspect", "q1", "--json").output)
+    assert never_ran["ownerToken"] is None and never_ran["cancelToken"] > fields["cancelToken"]
+
+
+def test_inspect_and_status_say_what_attempt_and_takeovers_count(fenced_app: Celery) -> None:
+    running(fenced_app, "a1")
+    shown = run(fenced_app, "inspect", "a1").output.splitlines()
+    (attempt,) = [line for line in shown if line.split()[0] == "attempt"]
+    (takeovers,) = [line for line in shown if line.split()[0] == "takeovers"]
+    assert "each Celery retry, each takeover" in attempt and "retries are not counted" in takeovers
+    listed = run(fenced_app, "status").output
+    assert "ATTEMPT: runs that took the lease" in listed and "(a retry is not one)" in listed
+    assert listed.rstrip().endswith("1 lease(s)")
+
+
 def test_cancel_says_what_happened_to_each_id_and_fails_for_an_unknown_one(fenced_app: Celery) -> None:
     running(fenced_app, "c1")
     done = run(fenced_app, "cancel", "c1", "typo")

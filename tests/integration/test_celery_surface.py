@@ -6,6 +6,8 @@ forever (the test times out), a task is lost, or a stale write lands.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import socket
 import subprocess
@@ -15,9 +17,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+import redis
 from celery import chain, chord
 
-from tests.integration.conftest import Cluster, lease, stored
+from tests.integration.conftest import KEYS, Cluster, lease, stored
 from tests.support.processes import ROOT, CeleryProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -381,3 +384,92 @@ def test_a_client_that_waited_on_fenced_results_exits_without_a_traceback(cluste
             [sys.executable, "-c", client], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
         )
         assert (done.returncode, done.stdout, done.stderr) == (0, "45\nnot taken yet\n", "")
+
+
+# -- the rows of docs/celery-features.rst that no other test showed ---------------------------
+
+
+def test_autoretry_for_with_backoff_is_a_retry_not_a_takeover(cluster: Cluster) -> None:
+    """Celery's ``autoretry_for`` and ``retry_backoff`` keep their meaning: each retry waits its
+    backoff, acquires the lease anew with a higher token, and counts as an attempt, never as a
+    takeover."""
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=1)
+    result = app.autoretried.delay()
+    assert result.get(timeout=30) == "ran after 2 retries"
+    runs = cluster.runs(result.id)
+    assert [(run["retries"], run["attempt"]) for run in runs] == [(0, 1), (1, 2), (2, 3)]
+    assert runs[0]["token"] < runs[1]["token"] < runs[2]["token"]
+    gaps = [later["started"] - earlier["started"] for earlier, later in itertools.pairwise(runs)]
+    assert min(gaps) >= 0.9  # each retry waited its backoff
+    fields = lease(cluster, result.id)
+    assert (fields["status"], fields["attempt"], fields["takeovers"]) == ("DONE", "3", "0")
+    wait_until(lambda: "(retry 2 of the task, not a takeover)" in worker.log(), 10, "the retry's log line")
+    assert "takeover" not in worker.log().replace("not a takeover", "")
+
+
+def test_a_bound_errback_gets_the_task_id_by_celerys_rule(cluster: Cluster) -> None:
+    """``link_error`` on a fenced task: Celery's rule decides the errback's arguments. A bound
+    errback is sent the failed task's id only; an unbound one with ``(request, exc, traceback)``
+    is called with those. Each runs once, after the owner stored the failure."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=1)
+    bound = app.failing.apply_async(link_error=app.bound_errback_of_task_id.s())
+    unbound = app.failing.apply_async(link_error=app.record_errback.s())
+    wait_until(lambda: cluster.record.llen(f"bound-errback:{bound.id}") >= 1, 20, "the bound errback")
+    wait_until(lambda: cluster.record.llen(f"errback:{unbound.id}") >= 1, 20, "the unbound errback")
+    for result in (bound, unbound):
+        assert stored(cluster, result.id)["status"] == "FAILURE"  # type: ignore[index]
+    (called,) = [json.loads(x) for x in cluster.record.lrange(f"bound-errback:{bound.id}", 0, -1)]
+    assert called == {"errback": app.bound_errback_of_task_id.name, "task_id": bound.id}
+    assert cluster.record.lrange(f"errback:{unbound.id}", 0, -1) == ["ValueError"]
+
+
+def test_result_expires_bounds_the_result_and_the_finished_lease(cluster: Cluster) -> None:
+    """A finished task's fence lives in its result (or a small tombstone) and expires with it."""
+    cluster.settings = {"result_expires": 30}
+    app = cluster.app()
+    cluster.worker("w1", concurrency=1)
+    done = app.noted_add.delay(2, 3)
+    assert done.get(timeout=20) == 5
+    assert 0 < cluster.results.ttl(KEYS.result(done.id)) <= 30
+    assert not cluster.results.exists(KEYS.lease(done.id))  # the fence is in the result
+    assert lease(cluster, done.id)["status"] == "DONE"
+    ignored = app.result_ignored.delay()
+    wait_until(lambda: lease(cluster, ignored.id).get("status") == "DONE", 20, "the ignored result's lease DONE")
+    assert not cluster.results.exists(KEYS.result(ignored.id))
+    assert 0 < cluster.results.ttl(KEYS.lease(ignored.id)) <= 30  # its tombstone
+
+
+def test_a_countdown_longer_than_the_visibility_timeout_runs_once(cluster: Cluster) -> None:
+    """A message waiting for its eta is not acknowledged: past the broker's visibility timeout
+    kombu hands it out again, and plain Celery runs the task once per copy. The lease runs it
+    once: each copy finds the reservation or the running or finished lease."""
+    if not cluster.broker_url.startswith("redis"):
+        pytest.skip("the visibility timeout is the Redis transport's")
+    cluster.settings = {
+        "broker_transport_options": {
+            "visibility_timeout": 2,
+            "unacked_restore_interval": 1,  # kombu 5.7 sweeps every second; older kombu is asked below
+            "unacked_restore_throttle": 1,
+        },
+    }
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    w2 = cluster.worker("w2", concurrency=1)
+    result = app.noted_add.apply_async((2, 3), countdown=6)
+
+    def copies() -> int:
+        with app.app.connection_for_write() as connection:
+            connection.default_channel.qos.restore_visible(num=100, interval=1)
+        return (w1.log() + w2.log()).count(f"{app.noted_add.name}[{result.id}] received")
+
+    wait_until(lambda: copies() >= 2, 20, "a second copy of the waiting message")
+    assert result.get(timeout=20) == 5
+    broker = redis.Redis.from_url(cluster.broker_url)
+    try:
+        wait_until(lambda: not broker.hlen("unacked") and not broker.llen("celery"), 30, "every copy handled")
+    finally:
+        broker.close()
+    assert "not run: " in w1.log() + w2.log()
+    assert len(cluster.runs(result.id)) == 1

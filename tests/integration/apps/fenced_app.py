@@ -650,6 +650,34 @@ def record_errback(request: Any, exc: Any, traceback: Any) -> None:
     record().rpush(f"errback:{request.id}", type(exc).__name__)
 
 
+@app.task(bind=True)
+def bound_errback_of_task_id(self: Any, task_id: str) -> None:
+    """A bound errback. Celery's rule: a bound task (``bind=True``) is always an old-style
+    errback, sent as a task of its own with the failed task's id as its one argument, whatever
+    else its signature says (only an unbound one with more arguments, as :func:`record_errback`,
+    is called with the request, the exception and the traceback)."""
+    record().rpush(f"bound-errback:{task_id}", json.dumps({"errback": self.name, "task_id": task_id}))
+
+
+@app.task(
+    bind=True,
+    base=ProgressLeasedTask,
+    autoretry_for=(ConnectionError,),
+    retry_backoff=1,
+    retry_backoff_max=1,
+    retry_jitter=False,
+    max_retries=3,
+)
+def autoretried(self: Any) -> str:
+    """Fails with a ConnectionError twice: Celery's ``autoretry_for`` retries it, each retry
+    after the backoff (1 s: ``retry_backoff=1`` capped by ``retry_backoff_max=1``)."""
+    note_run(self, retries=self.request.retries)
+    self.progress("load-data")
+    if self.request.retries < 2:
+        raise ConnectionError("the service is down")
+    return f"ran after {self.request.retries} retries"
+
+
 @app.task(bind=True, base=ProgressLeasedTask, time_limit=7, interrupt_on_loss=False)
 def stalls_into_time_limit(self: Any) -> str:
     """The first attempt stalls until its hard time limit kills it; the next progresses past it."""

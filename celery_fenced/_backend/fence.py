@@ -36,6 +36,8 @@ class WriterFence(NamedTuple):
             lease was lost locally), so the trace's own write of it is skipped.
         skipped: the delivery does not run (a duplicate, a finished task, a lease that could
             not be acquired): every write made for it goes nowhere.
+        started_stored: its STARTED result was stored by the acquire itself
+            (``task_track_started``), so the trace's own write of it is skipped.
     """
 
     task_id: str
@@ -47,6 +49,7 @@ class WriterFence(NamedTuple):
     retry_delay: float = 0.0
     result_stored: bool = False
     skipped: bool = False
+    started_stored: bool = False
 
     def retried(self, delay: float) -> WriterFence:
         """This fence for the writes after a ``retry()`` whose message is due in ``delay`` seconds."""

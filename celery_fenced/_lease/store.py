@@ -173,6 +173,8 @@ class LeaseStore:
         stage: str = "",
         publish_id: str = "",
         handed_off_by: str = "",
+        started_head: str = "",
+        started_expires_ms: int = 0,
     ) -> AcquireResult:
         """Take the lease of ``task_id`` for one execution, following the status table.
 
@@ -180,6 +182,9 @@ class LeaseStore:
         delivery of another publish again (Celery lets a task id be applied again).
         ``handed_off_by`` is the token the message says the task id was handed off from (a
         replacement's): after a hand-off only the message naming it runs.
+        ``started_head`` (``task_track_started``) is the run's STARTED meta, JSON without its
+        closing brace: a run that takes the lease stores it as its result, with its token as
+        ``fence_token``, kept ``started_expires_ms`` (0: for ever), in the same call.
         """
         _require_task_id(task_id)
         if not owner_id:
@@ -198,6 +203,8 @@ class LeaseStore:
             stage,
             publish_id,
             handed_off_by,
+            started_head,
+            started_expires_ms,
         )
         if isinstance(reply, int):  # a first delivery: its token alone
             return AcquireResult.first(task_id, reply)
@@ -217,6 +224,8 @@ class LeaseStore:
         stage: str,
         publish_id: str,
         handed_off_by: str,
+        started_head: str = "",
+        started_expires_ms: int = 0,
     ) -> Any:
         keys = [
             self.keys.lease(task_id),
@@ -226,8 +235,10 @@ class LeaseStore:
             self.keys.result(task_id),
         ]
         args: list[Any] = [owner_id, ttl_ms, task_name, call_json, max_takeovers, stage, publish_id]
-        if handed_off_by:
+        if handed_off_by or started_head:
             args.append(handed_off_by)  # left out otherwise: each argument costs the server
+        if started_head:
+            args += [started_head, max(0, int(started_expires_ms))]
         return self.tokens.hand_out(lambda: self.scripts.acquire(keys=keys, args=args))
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewOutcome]:

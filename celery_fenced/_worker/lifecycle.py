@@ -509,6 +509,11 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
     policy = _policy(task)
     owner_id = f"{request.hostname or socket.gethostname()}/{WORKER_PROCESS.attempt_ids.next_id()}"
     call = recorded_call(task, request)
+    hostname = request.hostname or socket.gethostname()
+    # task_track_started: the STARTED Celery's trace writes next is stored by the acquire, in
+    # the same call (the trace's own write of it is then skipped: WriterFence.started_stored).
+    tracked = task.track_started and not get_actual_ignore_result(task, request)
+    started_head = task.backend.started_head(request.id, request, hostname) if tracked else ""
     started = time.monotonic()
     acquire_once = partial(
         store.acquire,
@@ -520,6 +525,8 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
         call=call,
         publish_id=str(getattr(request, PUBLISH_ID_HEADER, None) or ""),
         handed_off_by=str(getattr(request, HANDED_OFF_BY_HEADER, None) or ""),
+        started_head=started_head,
+        started_expires_ms=task.backend.expires_ms(celery_states.STARTED) if started_head else 0,
     )
     try:
         result = acquire_once()
@@ -557,7 +564,16 @@ def acquire(task: Any, request: Any, attempt: Attempt) -> OwnedLease | None:
     )
     # What its writes carry: fence_for(lease), inlined (every task's path).
     put_fence(
-        request, WriterFence(lease.task_id, lease.token, owner_id, lease.publish_id, lease.attempt, lease.takeovers)
+        request,
+        WriterFence(
+            lease.task_id,
+            lease.token,
+            owner_id,
+            lease.publish_id,
+            lease.attempt,
+            lease.takeovers,
+            started_stored=bool(started_head),
+        ),
     )
     heartbeat = heartbeat_for(task.app)
     assert heartbeat is not None

@@ -15,6 +15,11 @@
 --          re-sends), may be ""
 -- ARGV[8]  the token the delivery's message says the task id was handed off from (a
 --          replacement sent by Task.replace(): the fenced_handed_off_by header), may be ""
+-- ARGV[9]  optional (task_track_started): Celery's STARTED meta for the run, as the fenced
+--          backend encodes it, without its end: a run that takes the lease stores it as its
+--          result, ending ', "fence_token": <its token>}', as the backend's STARTED write
+--          would (one call instead of two); not over a SUCCESS Celery keeps (successKept)
+-- ARGV[10] with ARGV[9]: that result's expiry, ms (0: none)
 --
 -- A hand-off (release.lua) leaves a HANDED_OFF record whose handoffToken the replacement's
 -- message names: that message runs (a new run of the task id, attempt 1), any other does not
@@ -70,6 +75,10 @@ if found == 0 and ARGV[4] ~= '' and publish_id ~= '' then
     'leaseExpireAt', expire_arg, 'leaseTtl', ARGV[2], 'taskName', ARGV[3], 'maxTakeovers', ARGV[5],
     'call', ARGV[4], 'publishId', publish_id, 'attempt', '1', 'takeovers', '0')
   redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
+  if ARGV[9] then
+    local started, expires = ARGV[9] .. ', "fence_token": ' .. int_arg(token) .. '}', tonumber(ARGV[10])
+    write_result(KEYS[5], started, expires)
+  end
   return token
 end
 
@@ -261,4 +270,8 @@ else
 end
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
+if ARGV[9] and not redis.call('HGET', KEYS[1], 'successKept') then
+  local started, expires = ARGV[9] .. ', "fence_token": ' .. int_arg(token) .. '}', tonumber(ARGV[10])
+  write_result(KEYS[5], started, expires)
+end
 return {code, status, snapshot(), checkpoint}

@@ -188,3 +188,38 @@ def test_after_a_flushdb_an_acquire_takes_a_token_above_every_earlier_one(
     again = acquire(store, "t1", owner="host/2/b")  # the same task: a new owner fences the same rows
     assert again.outcome is AcquireOutcome.NEW
     assert again.token > max(earlier)
+
+
+CALL = {"task": "proj.task", "args": [1], "kwargs": {}, "options": {}}
+HEAD = '{"status": "STARTED", "result": {"pid": 7, "hostname": "w1@h"}, "task_id": "t1"'
+
+
+def test_a_run_that_takes_the_lease_stores_its_started_result_in_the_same_call(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # task_track_started: the STARTED Celery writes next is stored by the acquire itself, with
+    # the run's token as its fence_token, as the fenced backend's own write would store it.
+    first = acquire(store, call=CALL, publish_id="p1", started_head=HEAD, started_expires_ms=60_000)
+    assert first.outcome == AcquireOutcome.NEW
+    stored = redis_client.get(store.keys.result("t1"))
+    assert stored == f'{HEAD}, "fence_token": {first.token}}}'.encode()
+    assert 0 < redis_client.pttl(store.keys.result("t1")) <= 60_000
+    # A copy that does not run writes nothing; a takeover stores its own STARTED.
+    assert acquire(store, owner="host/2/b", started_head=HEAD).outcome == AcquireOutcome.DUPLICATE
+    assert redis_client.get(store.keys.result("t1")) == stored
+    redis_client.hset(store.keys.lease("t1"), "leaseExpireAt", server_ms(redis_client) - 1)
+    taken = acquire(store, owner="host/2/b", started_head=HEAD)
+    assert taken.outcome == AcquireOutcome.TAKEOVER
+    assert redis_client.get(store.keys.result("t1")) == f'{HEAD}, "fence_token": {taken.token}}}'.encode()
+    assert redis_client.pttl(store.keys.result("t1")) == -1  # no expiry asked
+
+
+def test_a_started_result_is_never_stored_over_a_success_celery_keeps(
+    store: LeaseStore, redis_client: redis.Redis
+) -> None:
+    first = held(store, call=CALL, publish_id="p1")
+    done = f'{{"status": "SUCCESS", "result": 1, "task_id": "t1", "fence_run": "p1/1/0", "fence_token": {first.owner_token}}}'
+    assert store.store("t1", first.owner_token, done, state="SUCCESS", kind="ready", expires_ms=0).stored
+    again = acquire(store, owner="host/2/b", call=CALL, publish_id="p2", started_head=HEAD)  # applied again
+    assert again.outcome == AcquireOutcome.NEW
+    assert redis_client.get(store.keys.result("t1")) == done.encode()

@@ -23,6 +23,7 @@ def test_a_script_gets_only_the_library_functions_it_calls() -> None:
         "next_tokens",
         "fence_of",
         "finished_fence",
+        "write_result",
     }
     assert defined("store") == {
         "now_ms_text",

@@ -27,13 +27,17 @@
 --
 -- Returns {code}: "ok" | "stale-token" | "not-owner" | "missing" | "finished" (no hand-off of
 -- this token waits for its replacement)
-local r = redis.call('HMGET', KEYS[1], 'status', 'handoffToken', 'handoffWorker', 'handoffSent')
+local r = redis.call('HMGET', KEYS[1], 'status', 'handoffToken', 'handoffWorker', 'handoffSent', 'reservedBy')
 local refusal, status = owner_refusal(KEYS[1], ARGV[1], ARGV[2])
 if refusal == 'not-owner' and r[1] == 'RESERVED' and r[2] == ARGV[2] then
   refusal = nil  -- the replacement's reservation took the record's place (reserve.lua): finished
 end
 local mine = not refusal and status == 'HANDED_OFF' and r[2] == ARGV[2]
-if KEYS[3] and (mine or not (r[1] == 'HANDED_OFF' and r[3] == ARGV[3] and r[4] ~= '1')) then
+-- A reservation this worker holds (a copy it received since) is filed under the same member:
+-- it stays, for the worker's lapse to make it due (lapse_worker.lua).
+local host = r[5]
+local reserved_here = r[1] == 'RESERVED' and host and string.sub(ARGV[3] or '', 1, #host + 1) == host .. '/'
+if KEYS[3] and not reserved_here and (mine or not (r[1] == 'HANDED_OFF' and r[3] == ARGV[3] and r[4] ~= '1')) then
   redis.call('ZREM', KEYS[3], KEYS[1])
 end
 if refusal then

@@ -448,6 +448,19 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "replacement-sent-keeps-reservation",
+        "replacement_sent",
+        "local reserved_here = r[1] == 'RESERVED' and host and",
+        "local reserved_here = false and",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("receive", {"task_id": "t1"}),
+            ("replacement_sent", {"owner": OWNER + "0"}),
+            ("worker_lapses", {}),
+        ),
+    ),
+    Mutant(
         "reserve-live-lease",
         "reserve",
         "  elseif status == 'RESERVED' or status == 'REQUEUED' then",

@@ -504,6 +504,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(task_id=st.sampled_from(TASK_IDS))
     def evict_result(self, task_id: str) -> None:
         """The task's result key alone is evicted, its lease hash kept."""
+        self.heartbeats_tick()
         gone = self.client.delete(KEYS.result(task_id))
         self.count("evict_result", gone)
         if gone:

@@ -3,6 +3,7 @@ with every app of a process, and a worker refuses a fenced task without the fenc
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -14,6 +15,9 @@ REDIS = os.environ.get("FENCED_BENCH_REDIS", "redis://127.0.0.1:6379")
 
 app = Celery("bench_plain", broker=f"{REDIS}/2", backend=f"{REDIS}/3")
 app.conf.update(worker_prefetch_multiplier=1, worker_disable_prefetch=True, worker_hijack_root_logger=False)
+#: Celery's own settings of the run apply to both sides (``task_track_started``, say).
+_SHARED = ("task_track_started",)
+app.conf.update({k: v for k, v in json.loads(os.environ.get("FENCED_BENCH_SETTINGS", "{}")).items() if k in _SHARED})
 
 
 @app.task

@@ -23,7 +23,7 @@ and that the heartbeat renews 1, 10 or 100 leases of a process in one round trip
 ``--scale`` measures instead one worker of 4 processes fed by one client pushing 10,000 tasks
 (events on, ``get()``): tasks per second and the share of one core the Redis server used.
 
-    python benchmarks/throughput.py [--configs users,events,quiet,gevent] [--tasks 1000] [--rounds 5]
+    python benchmarks/throughput.py [--configs users,events,quiet,gevent] [--tasks 1000] [--rounds 5] [--track-started]
     python benchmarks/throughput.py --scale [--tasks 10000]
 """
 
@@ -400,13 +400,18 @@ def main() -> int:
     parser.add_argument(
         "--floor", action="store_true", help="a third side: fenced with the floor's scripts (benchmarks/floor)"
     )
+    parser.add_argument(
+        "--track-started", action="store_true", help="task_track_started on, on every side (Flower users turn it on)"
+    )
     args = parser.parse_args()
     if args.tasks is None:
         args.tasks = 10_000 if args.scale else 1000
     # The fenced side runs with the package's default lease settings, as users run it (the
     # benchmark app's short ones are for the takeover benchmark).
-    lease_defaults = {name: DEFAULTS[name] for name in DEFAULT_LEASE_SETTINGS}
-    with Harness("benchmarks.bench_app", settings=lease_defaults) as harness:
+    settings: dict[str, object] = {name: DEFAULTS[name] for name in DEFAULT_LEASE_SETTINGS}
+    if args.track_started:
+        settings["task_track_started"] = True
+    with Harness("benchmarks.bench_app", settings=settings) as harness:
         if args.scale:
             scale(harness, args)
             return 0

@@ -79,6 +79,12 @@ def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
     seconds at ``now_ms``."""
     ended = state.status in ("DONE", "ABANDONED")
     reserved = state.status == "RESERVED"
+    # After a cancel the hash's ownerToken is the cancel's: the owner's is shown as the token.
+    cancelled = state.raw.get("cancelledAt") is not None
+    owner_token = state.owner_token
+    if cancelled:
+        kept = state.raw.get("cancelledOwnerToken")
+        owner_token = int(kept) if kept is not None and str(kept).isdigit() else None
     return {
         "task_id": state.task_id,
         "name": state.task_name,
@@ -86,7 +92,8 @@ def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
         "owner": f"{state.reserved_by} (received)" if reserved else state.owner_id,
         "reserved_by": state.reserved_by or None,
         "seconds_since_received": None if state.reserved_at is None else (now_ms - state.reserved_at) / 1000,
-        "token": state.owner_token,
+        "token": owner_token,
+        "cancel_token": state.owner_token if cancelled else None,
         "stage": state.current_stage,
         "seconds_since_progress": None if state.last_progress_at is None else (now_ms - state.last_progress_at) / 1000,
         "seconds_left": None if ended or state.lease_expire_at is None else _left(state.lease_expire_at, now_ms),
@@ -102,7 +109,7 @@ def lease_cells(row: Mapping[str, Any]) -> tuple[str, ...]:
         row["name"],
         row["status"],
         row["owner"] or "-",
-        str(row["token"]),
+        "-" if row["token"] is None else str(row["token"]),
         row["stage"] or "-",
         seconds(row["seconds_since_progress"]),
         seconds(row["seconds_left"]),

@@ -70,6 +70,13 @@ def test_inspect_after_a_cancel_shows_the_owners_token_and_the_cancels_as_the_ca
     assert run(fenced_app, "cancel", "--force", "q1").output.strip() == "q1: cancelled"
     never_ran = json.loads(run(fenced_app, "inspect", "q1", "--json").output)
     assert never_ran["ownerToken"] is None and never_ran["cancelToken"] > fields["cancelToken"]
+    # status too: TOKEN is the owner's ("-": none ever held it), the cancel's token its own key.
+    rows = {row["task_id"]: row for row in json.loads(run(fenced_app, "status", "--state", "DONE", "--json").output)}
+    assert (rows["x1"]["token"], rows["x1"]["cancel_token"]) == (owner.owner_token, fields["cancelToken"])
+    assert (rows["q1"]["token"], rows["q1"]["cancel_token"]) == (None, never_ran["cancelToken"])
+    table = run(fenced_app, "status", "--state", "DONE").output.splitlines()
+    (x1_line,) = [line for line in table if line.startswith("x1")]
+    assert str(owner.owner_token) in x1_line.split() and str(fields["cancelToken"]) not in x1_line
 
 
 def test_inspect_and_status_say_what_attempt_and_takeovers_count(fenced_app: Celery) -> None:

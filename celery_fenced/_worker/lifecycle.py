@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from celery import Celery
 from celery import states as celery_states
@@ -290,24 +290,29 @@ def hand_off(task: Any, lease: OwnedLease, replacement: Any = None) -> None:
         worker_id=WORKER_PROCESS.worker_id,
         replacement=recorded,
     )
-    code = hand()
-    if code == ReleaseOutcome.MISSING:
-        code = _hand_off_vanished(store, lease, hand)
+    code = again_if_vanished(store, lease, hand(), hand, "hand-off")
     if code != ReleaseOutcome.OK:
         _lost_on_end(lease, code, "hand-off to the replacement")
     logger.info("lease handed off: task %s[%s] token=%s replaced", task.name, lease.task_id, lease.token)
 
 
-def _hand_off_vanished(store: Any, lease: OwnedLease, hand: Callable[[], ReleaseOutcome]) -> ReleaseOutcome:
-    """The lease vanished before the hand-off (an eviction, a FLUSH, a failover that lost
-    writes): a missing lease is never a hand-off, as a newer owner's record may have vanished
-    with it. Written back as the heartbeat writes a vanished lease back (:func:`take_back`):
-    while the owner's last renewal is less than a TTL ago, nobody else can hold the task, and
-    the owner hands off again; else it is given up for the reaper to re-send the task, and
-    nothing is sent (``MISSING``)."""
-    if take_back(store, lease, "hand-off"):
-        return hand()
-    return ReleaseOutcome.MISSING
+#: What an owner's end of its lease answers (:func:`again_if_vanished`).
+_End = TypeVar("_End", ReleaseOutcome, LapseOutcome)
+
+
+def again_if_vanished(store: Any, lease: OwnedLease, code: _End, again: Callable[[], _End], before: str) -> _End:
+    """An owner's end of its lease (``code``, what its script answered: a hand-off, a retry's
+    RETRYING, a release, a lapse) found the lease gone (``MISSING``: an eviction, a FLUSH, a
+    restart without persistence, a failover that lost writes). A missing lease is never a
+    successful end, as a newer owner's may have vanished with it; nor may the owner just go on
+    without it: nothing would be left in Redis to run the task (a retry never sent, a body that
+    never finished never taken over). Written back as the heartbeat writes a vanished lease
+    back (:func:`take_back`): while the owner's last renewal is less than a TTL ago nobody else
+    can hold the task, and the end is made ``again``; else the lease is given up for the reaper
+    to re-send the task, and the answer stays ``MISSING`` (nothing is sent)."""
+    if code in (ReleaseOutcome.MISSING, LapseOutcome.MISSING) and take_back(store, lease, before):
+        return again()
+    return code
 
 
 def replacement_sent(task: Any, lease: OwnedLease) -> None:
@@ -419,7 +424,9 @@ def retry_due(task: Any, lease: OwnedLease, delay: float, call: Mapping[str, Any
     if not _stop_serving(task, lease):
         raise LeaseLostError(lease.task_id, lease.token, lease.lost_reason or "ended")
     due_ms = int((delay + ensure_conf(task.app).requeue_timeout) * 1000)
-    code = task.backend.lease_store.release(
+    store = task.backend.lease_store
+    retrying = partial(
+        store.release,
         lease.task_id,
         lease.owner_id,
         lease.token,
@@ -428,6 +435,7 @@ def retry_due(task: Any, lease: OwnedLease, delay: float, call: Mapping[str, Any
         progress=lease.report(time.monotonic())[0],
         call=call,
     )
+    code = again_if_vanished(store, lease, retrying(), retrying, "retry")
     if code != ReleaseOutcome.OK:
         _lost_on_end(lease, code, "retry")
     lease.mark_retrying()
@@ -661,16 +669,18 @@ def release(task: Any, request: Any, state: str | None) -> None:
         due_ms = int(conf.requeue_timeout * 1000)
     else:
         target = LeaseStatus.DONE
+    end = partial(
+        backend.lease_store.release,
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        status=target,
+        due_in_ms=due_ms,
+        keep_ms=backend.expires_ms(celery_states.SUCCESS),
+        progress=lease.report(time.monotonic())[0],
+    )
     try:
-        code = backend.lease_store.release(
-            lease.task_id,
-            lease.owner_id,
-            lease.token,
-            status=target,
-            due_in_ms=due_ms,
-            keep_ms=backend.expires_ms(celery_states.SUCCESS),
-            progress=lease.report(time.monotonic())[0],
-        )
+        code = again_if_vanished(backend.lease_store, lease, end(), end, f"end ({target.value})")
     except Exception:
         logger.exception("could not end the lease of task %s; it will expire", lease.task_id)
         return
@@ -692,10 +702,17 @@ def lapse_unfinished(task: Any, lease: OwnedLease) -> None:
     for this attempt next, without a token (a hard time limit's FAILURE, a revoke's
     REVOKED), is still stored, as Celery stores it, while no newer owner took the task.
     """
+    store = task.backend.lease_store
+    give_up = partial(
+        store.lapse,
+        lease.task_id,
+        lease.owner_id,
+        lease.token,
+        mode="unfinished",
+        progress=lease.report(time.monotonic())[0],
+    )
     try:
-        code = task.backend.lease_store.lapse(
-            lease.task_id, lease.owner_id, lease.token, mode="unfinished", progress=lease.report(time.monotonic())[0]
-        )
+        code = again_if_vanished(store, lease, give_up(), give_up, "takeover (its body did not finish)")
     except Exception:
         logger.exception("could not give up the lease of task %s; it will expire", lease.task_id)
         return

@@ -106,3 +106,22 @@ def test_a_replacement_said_sent_whose_message_the_broker_lost_is_sent_again(clu
     cluster.worker("w2", concurrency=1, queues="later")
     assert result.get(timeout=30) == 5
     assert len(cluster.runs(result.id)) == 1  # the replaced body ran once
+
+
+def test_a_retry_right_after_a_flushdb_is_sent_and_runs(cluster: Cluster) -> None:
+    """The store is flushed after the owner's last renewal and before its ``self.retry()``: the
+    owner, live and renewed less than a TTL ago, writes its lease back and moves it to
+    RETRYING, so the retry is sent, runs once and stores the task's one result. (Before, the
+    retry found no lease, was refused, sent nothing and stored nothing: nothing was left to
+    run the task, and its client waited for ever.)"""
+    app = cluster.app()
+    worker = cluster.worker("w1", concurrency=1)
+    signature = app.lost_before_its_end.s("retry")
+    task_id = signature.freeze().id
+    cluster.record.set(f"flush-before-end:{task_id}", 1)
+    result = signature.apply_async()
+    assert result.get(timeout=20) == "retried 1"
+    assert [run["retries"] for run in cluster.runs(task_id)] == [0, 1]
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == cluster.runs(task_id)[1]["token"]
+    assert "lease restored" in worker.log()

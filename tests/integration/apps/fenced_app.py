@@ -1051,3 +1051,27 @@ def received(self: Any, value: Any) -> Any:
     """A chain's next step: records each run with the value it received."""
     note_run(self, value=value)
     return value
+
+
+# -- data loss at the end of a body ------------------------------------------------------------
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def lost_before_its_end(self: Any, kind: str) -> Any:
+    """Ends by ``kind``: ``"retry"`` (retries once, then returns), ``"group"`` (replaces itself by
+    a group of a fenced and a plain step, which Celery makes a chord whose body runs under the
+    task id). With the key ``flush-before-end:<task id>`` set, the lease store is flushed
+    (FLUSHDB: every lease, token and result gone) right before, after the heartbeat's last
+    renewal: the owner is live, and renewed less than a TTL ago."""
+    from celery import group
+
+    note_run(self, retries=self.request.retries)
+    self.progress("load-data")
+    origin = self.request.id
+    if record().delete(f"flush-before-end:{origin}"):
+        self.backend.client.flushdb()
+    if kind == "retry":
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.2)
+        return f"retried {self.request.retries}"
+    return self.replace(group(replacement_step.si(origin, "fenced"), plain_replacement_step.si(origin, "plain")))

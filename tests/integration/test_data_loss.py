@@ -9,6 +9,7 @@ chain's next step run once, with B's value.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 
@@ -108,6 +109,78 @@ def test_a_replacement_said_sent_whose_message_the_broker_lost_is_sent_again(clu
     assert len(cluster.runs(result.id)) == 1  # the replaced body ran once
 
 
+def test_threads_pool_restart_without_persistence_each_owner_of_one_process_finishes_once(
+    cluster: Cluster, store_without_persistence: RedisServer
+) -> None:
+    """The threads pool: several owners in one process, one heartbeat thread serving them all.
+
+    Worker w1 (threads) runs tasks X and Y and is frozen (SIGSTOP) in their bodies; w2 (threads)
+    takes both over and also runs a fresh task Z, so one process of w2 owns three leases. The
+    store then restarts without persistence (every lease, token and result gone, every
+    connection cut) while w2 is stopped between two renewals, and w1 thaws and returns first.
+    Judged by what was stored: w1's two writes dropped, each of w2's three owners writes its
+    lease back and finishes, every task id has exactly one result (its current owner's), and
+    each chain's next step ran once with that value.
+    """
+    store = store_without_persistence
+    cluster.settings["fenced_lease_ttl"] = TTL
+    cluster.backend_url = "fenced+" + store.url(1)
+    cluster.results.close()
+    cluster.results = redis.Redis.from_url(store.url(1))
+    app = cluster.app()
+    w1 = cluster.worker("w1", pool="threads", concurrency=2)
+    flows = [chain(app.owner_until_told.s(), app.received.s()).delay() for _ in range(2)]
+    taken = [flow.parent.id for flow in flows]
+    first = {task_id: cluster.wait_runs(task_id, 1)[0] for task_id in taken}
+    w2 = cluster.worker("w2", pool="threads", concurrency=3)
+    cluster.beat()
+    w1.signal_group(signal.SIGSTOP)
+    try:
+        for task_id in taken:
+            cluster.record.set(f"finish:{task_id}:1", 1)  # w1's owners return as soon as they run again
+        fresh = chain(app.owner_until_told.s(), app.received.s()).delay()
+        flows.append(fresh)
+        current = {task_id: cluster.wait_runs(task_id, 2, timeout=30)[1] for task_id in taken}
+        current[fresh.parent.id] = cluster.wait_runs(fresh.parent.id, 1)[0]
+        for task_id, run in current.items():
+            assert run["hostname"].startswith("w2@")
+            assert task_id == fresh.parent.id or run["token"] > first[task_id]["token"]
+        assert len({run["pid"] for run in current.values()}) == 1  # one process owns all three
+        w2.signal_group(signal.SIGSTOP)
+        try:
+            store.stop()  # a restart with nothing kept: every lease, token and result gone
+            store.start()
+            w1.signal_group(signal.SIGCONT)
+            wait_until(
+                lambda: w1.log().count("write dropped") >= 2 or any(stored(cluster, t) for t in taken),
+                15,
+                "both of w1's writes",
+            )
+        finally:
+            w2.signal_group(signal.SIGCONT)
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    for task_id in taken:
+        assert stored(cluster, task_id) is None, "a thawed owner's result was stored"
+    for task_id, run in current.items():
+        wait_until(
+            lambda: lease(cluster, task_id).get("ownerToken") == str(run["token"]), 10, f"{task_id}'s lease back"
+        )
+    for task_id, run in current.items():
+        cluster.record.set(f"finish:{task_id}:{run['attempt']}", 1)
+    for flow in flows:
+        run = current[flow.parent.id]
+        value = f"owner {run['token']}"
+        assert flow.get(timeout=20) == value
+        meta = stored(cluster, flow.parent.id)
+        assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == value
+        assert meta["fence_token"] == run["token"]
+        assert [r["value"] for r in cluster.runs(flow.id)] == [value]  # the next step: once
+    assert [len(cluster.runs(task_id)) for task_id in taken] == [2, 2]
+    assert len(cluster.runs(fresh.parent.id)) == 1
+    assert w2.log().count("lease restored") >= 3
+
+
 def test_a_retry_right_after_a_flushdb_is_sent_and_runs(cluster: Cluster) -> None:
     """The store is flushed after the owner's last renewal and before its ``self.retry()``: the
     owner, live and renewed less than a TTL ago, writes its lease back and moves it to
@@ -125,3 +198,22 @@ def test_a_retry_right_after_a_flushdb_is_sent_and_runs(cluster: Cluster) -> Non
     meta = stored(cluster, task_id)
     assert meta is not None and meta["status"] == "SUCCESS" and meta["fence_token"] == cluster.runs(task_id)[1]["token"]
     assert "lease restored" in worker.log()
+
+
+def test_a_replace_by_a_group_right_after_a_flushdb_hands_off_to_its_chord(cluster: Cluster) -> None:
+    """``replace()`` by a group: Celery makes it a chord whose header members run the group's
+    steps and whose body runs under the replaced task id. The store is flushed right before
+    the hand-off: the owner writes its lease back, hands off once, and every member and the
+    body run once; the task's one result is the body's."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    signature = app.lost_before_its_end.s("group")
+    task_id = signature.freeze().id
+    cluster.record.set(f"flush-before-end:{task_id}", 1)
+    result = signature.apply_async()
+    assert result.get(timeout=30) == ["fenced", "plain"]
+    assert len(cluster.runs(task_id)) == 1
+    runs = [json.loads(x) for x in cluster.record.lrange(f"replacement-runs:{task_id}", 0, -1)]
+    assert sorted(run["name"] for run in runs) == ["fenced", "plain"]
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == ["fenced", "plain"]

@@ -14,7 +14,9 @@
 --                                       ("missing", "stale-token", "not-owner"), or nil,
 --                                       and the lease's status; "missing" too for the
 --                                       owner's lease written back given up after the
---                                       store lost it (lapseReason "data-lost")
+--                                       store lost it (lapseReason "data-lost"), and for
+--                                       a live lease of an older token or a reservation
+--                                       where the owner's was (written after the loss)
 -- publish_progress(key, stored_version, now, stage, version, age_ms, details)
 --                                       write an owner's progress: progressVersion,
 --                                       lastProgressAt (server time minus the age the owner
@@ -106,6 +108,12 @@ local function owner_refusal(key, owner_id, token)
   local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId', 'lapseReason')
   if not cur[1] then
     return 'missing', nil
+  elseif cur[2] ~= token and cur[1] ~= 'DONE' and cur[1] ~= 'ABANDONED' and cur[1] ~= 'HANDED_OFF'
+      and tonumber(cur[2] or '0') < tonumber(token) then
+    -- An older token's lease (or a reservation, no token) where this owner's newer one was:
+    -- written after the store lost this owner's (an older owner's write-back, a copy of the
+    -- message received), as renew.lua answers it: the owner writes its own back first.
+    return 'missing', cur[1]
   elseif cur[2] ~= token then
     return 'stale-token', cur[1]
   elseif cur[3] ~= owner_id then

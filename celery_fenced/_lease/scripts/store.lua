@@ -58,8 +58,9 @@
 --   "missing"   refused: a write with a token finds neither a lease nor a finished result
 --               (fence_of()) that refuses it: its lease vanished (data loss), and a newer
 --               owner's may have vanished with it; or finds its own lease written back given
---               up after that (lapseReason "data-lost"). Nothing written; the owner writes its
---               lease back (restore.lua) and asks again, or stores nothing
+--               up after that (lapseReason "data-lost"), or a live lease of an older token or
+--               a reservation where its own was (written after the loss). Nothing written;
+--               the owner writes its lease back (restore.lua) and asks again, or stores nothing
 --   "lapsed"    a tokenless WorkerLostError (or cancel) of the current owner: nothing
 --               written, the lease is LAPSED so the reaper takes the task over at once; of
 --               the process that handed a HANDED_OFF record off: nothing written, the record
@@ -125,6 +126,15 @@ end
 
 if token ~= '' then
   local owner_id = ARGV[6] or ''
+  if cur[2] ~= token and status ~= 'DONE' and status ~= 'ABANDONED' and status ~= 'HANDED_OFF'
+      and tonumber(cur[2] or '0') < tonumber(token) then
+    -- An older token's lease, or a reservation (no token), where the writer's newer one was:
+    -- written after the store lost the writer's lease (an older owner's write-back, a copy of
+    -- the message received). Not a newer owner: as missing (renew.lua answers it so too), the
+    -- writer writes its own lease back over it (restore.lua: the newer token wins) and asks
+    -- again. Refused as stale, the current owner would lose its task to a thawed one.
+    return {'missing', ''}
+  end
   if cur[2] ~= token or (owner_id ~= '' and cur[3] ~= owner_id and cur[3] ~= '') then
     return {'stale', cur[2] or ''}
   end

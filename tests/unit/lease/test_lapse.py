@@ -26,7 +26,9 @@ def test_lapse_expire_keeps_running_but_records_the_stall(store: LeaseStore) -> 
 
 def test_lapse_refuses_stale_and_foreign(store: LeaseStore) -> None:
     state = held(store)
-    assert store.lapse("t1", "host/1/a", state.owner_token + 1, mode="release") == "stale-token"
+    # A token older than the lease's (a newer one owns it); a newer one than the lease's
+    # answers "missing": its lease was lost and an older one written since (test_restore.py).
+    assert store.lapse("t1", "host/1/a", state.owner_token - 1, mode="release") == "stale-token"
     assert store.lapse("t1", "host/9/z", state.owner_token, mode="release") == "not-owner"
     assert store.lapse("nope", "host/1/a", 1, mode="release") == "missing"
     with pytest.raises(ValueError, match="mode"):

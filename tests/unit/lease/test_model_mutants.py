@@ -189,6 +189,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "store-older-token-lease",
+        "store",
+        "if cur[2] ~= token and status ~= 'DONE' and status ~= 'ABANDONED' and status ~= 'HANDED_OFF'",
+        "if false and status ~= 'DONE' and status ~= 'ABANDONED' and status ~= 'HANDED_OFF'",
+        (
+            ("deliver", {"task_id": "t1"}),
+            ("flushdb", {}),
+            ("receive", {"task_id": "t1"}),
+            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+        ),
+    ),
+    Mutant(
         "reserve-copy-from-before-handoff",
         "reserve",
         "if cur[2] and cur[2] ~= ARGV[at + 5] then",
@@ -505,6 +517,11 @@ MUTANTS = [
 
 #: Guards that compare tokens and have no mutant, each with the reason none can be caught.
 UNMUTATED = {
+    (
+        "_lib",
+        "elseif cur[2] ~= token and cur[1] ~= 'DONE' and cur[1] ~= 'ABANDONED' and cur[1] ~= 'HANDED_OFF'",
+    ): "owner_refusal's older-token case, the rule of store-older-token-lease for an owner's other ends "
+    "(lapse, release, hand-off); the shared library is not mutated: test_restore.py holds each script to it",
     # Unreachable while tokens never go back: the token epoch (begin_epoch.lua) moves the counter
     # to the clock after every loss, so a fresh token is always above a lease's. Reaching them
     # takes a counter moved back within its epoch, which the model refuses as such (every token

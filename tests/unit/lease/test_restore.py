@@ -4,9 +4,10 @@ two owners the newer token wins."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
-from celery_fenced._lease.state import LeaseState, LeaseStatus, Reservation, RestoreOutcome
+from celery_fenced._lease.state import LeaseState, LeaseStatus, Reservation, RestoreOutcome, StoreOutcome
 from celery_fenced._lease.store import LeaseStore
 from tests.unit.lease.helpers import TTL, acquire, claim, held, renew_req, server_ms, wait_for
 
@@ -78,3 +79,36 @@ def test_a_newer_owner_past_its_ttl_does_not_replace_an_older_tokens_lease(
     assert restore(store, A, a.owner_token, TTL + 5000, lapsed=True) == RestoreOutcome.RESTORED
     assert restore(store, B, b.owner_token, TTL) == RestoreOutcome.EXPIRED  # B froze too: it may have lost
     assert store.read("t1").owner_token == a.owner_token  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("in_its_place", ["an older owner's write-back", "a copy's reservation"])
+def test_a_newer_owner_ending_its_lease_before_its_next_renewal_takes_it_back_first(
+    store: LeaseStore, redis_client: redis.Redis, in_its_place: str
+) -> None:
+    """After a loss, an older token's lease (a thawed owner's write-back given up) or a
+    reservation (a copy received) stands where the current owner B's vanished. B's result
+    write, hand-off, lapse and release made before its next renewal answer as its renewal
+    does: ``missing`` (not ``stale``: B is the newer owner), so B writes its lease back over
+    it (the newer token wins) and ends it. Refused as stale, B lost its task: nothing stored,
+    and the task ran again from the older owner's write-back a TTL later."""
+    a, b = taken_over(store)
+    redis_client.flushdb()
+    if in_its_place == "a copy's reservation":
+        copy = Reservation("t1", 60_000, "proj.task", CALL, 3, "", "")
+        assert store.reserve_many([copy], "worker-2") == ["reserved"]
+    else:
+        assert restore(store, A, a.owner_token, TTL + 5000, lapsed=True) == RestoreOutcome.RESTORED
+    meta = b'{"status": "SUCCESS", "result": 1}'
+    write = store.store("t1", b.owner_token, meta, state="SUCCESS", kind="ready", expires_ms=0, owner_id=B)
+    assert write.code == StoreOutcome.MISSING
+    assert store.hand_off("t1", B, b.owner_token) == "missing"
+    assert store.lapse("t1", B, b.owner_token, mode="release") == "missing"
+    assert store.release("t1", B, b.owner_token, status=LeaseStatus.DONE) == "missing"
+    assert store.read("t1").owner_token != b.owner_token  # type: ignore[union-attr]  # nothing written
+    assert restore(store, B, b.owner_token, 1000) == RestoreOutcome.RESTORED
+    written = store.store("t1", b.owner_token, meta, state="SUCCESS", kind="ready", expires_ms=0, owner_id=B)
+    assert written.code == StoreOutcome.STORED
+    assert redis_client.get(store.keys.result("t1")) == meta
+    # The older owner, thawed, still gets nothing: its write is stale against B's result.
+    late = store.store("t1", a.owner_token, b"late", state="SUCCESS", kind="ready", expires_ms=0, owner_id=A)
+    assert late.code != StoreOutcome.STORED

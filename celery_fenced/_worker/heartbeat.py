@@ -409,7 +409,22 @@ class Heartbeat:
         if lease.lost_reason is not None:
             return None
         try:
-            code = write_back(self._get_store(), lease, self._clock())
+            store = self._get_store()
+            code = write_back(store, lease, self._clock())
+            if code == RestoreOutcome.EXPIRED:
+                # Frozen (or cut off) for a TTL or more: not its lease any more, but it may have
+                # been the task's only owner, and nothing else in Redis would run the task now.
+                # Written back given up, due a TTL later (a newer owner still live writes its
+                # own back over it first), for the reaper to re-send.
+                if write_back(store, lease, self._clock(), lapsed=True) == RestoreOutcome.RESTORED:
+                    logger.warning(
+                        "lease written back for a takeover: task %s[%s] token=%s: its hash vanished from "
+                        "Redis, and its last renewal is a TTL or more ago",
+                        lease.task_name,
+                        lease.task_id,
+                        lease.token,
+                    )
+                return code
         except RedisError as exc:
             logger.warning("could not restore the vanished lease of task %s: %r", lease.task_id, exc)
             return None

@@ -217,3 +217,42 @@ def test_a_replace_by_a_group_right_after_a_flushdb_hands_off_to_its_chord(clust
     assert sorted(run["name"] for run in runs) == ["fenced", "plain"]
     meta = stored(cluster, task_id)
     assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == ["fenced", "plain"]
+
+
+def test_a_lone_owner_frozen_across_a_flushdb_gives_its_task_up_and_the_task_finishes(cluster: Cluster) -> None:
+    """The task's only owner is frozen (its whole worker: nothing claims its expired lease), and
+    the store is flushed. Thawed, its heartbeat renews first and finds its lease gone; it may not
+    have it back (its last renewal is past a TTL), but nothing else in Redis would run the task:
+    it writes its lease back given up, and the reaper re-sends the task a TTL later. The thawed
+    run's result is dropped; the re-sent run's is the task's one result. (Before, the renewal
+    just lost the lease: the task was lost, and its client waited for ever.)"""
+    cluster.settings["fenced_lease_ttl"] = TTL
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    result = app.owner_until_told.delay()
+    task_id = result.id
+    [a] = cluster.wait_runs(task_id, 1)
+    w1.signal_group(signal.SIGSTOP)
+    try:
+        expire_at = int(lease(cluster, task_id)["leaseExpireAt"])
+        wait_until(lambda: server_ms(cluster) > expire_at, 2 * TTL, "the frozen owner's lease to expire")
+        cluster.results.flushdb()  # nothing claimed it: nothing but its frozen owner knows the task
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    # Its heartbeat renews first (the body waits, with no progress() that would notice): told
+    # its lease is gone, before its body returns.
+    wait_until(lambda: "lease lost" in w1.log(), 10, "the thawed owner's renewal")
+    cluster.record.set(f"finish:{task_id}:1", 1)  # the thawed run returns: its write is dropped
+    cluster.record.set(f"finish:{task_id}:2", 1)  # the re-sent run returns at once
+    runs = cluster.wait_runs(task_id, 2, timeout=30)
+    assert runs[1]["token"] > a["token"]
+    assert result.get(timeout=20) == f"owner {runs[1]['token']}"
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["fence_token"] == runs[1]["token"]
+    assert "write dropped" in w1.log()
+    assert len(cluster.runs(task_id)) == 2
+
+
+def server_ms(cluster: Cluster) -> int:
+    seconds, micros = cluster.results.time()
+    return int(seconds) * 1000 + int(micros) // 1000

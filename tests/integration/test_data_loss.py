@@ -219,6 +219,45 @@ def test_a_replace_by_a_group_right_after_a_flushdb_hands_off_to_its_chord(clust
     assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == ["fenced", "plain"]
 
 
+def test_the_current_owners_write_before_its_next_renewal_wins_over_a_thawed_owners_write_back(
+    cluster: Cluster,
+) -> None:
+    """Owner A is frozen and taken over by B; B flushes the store right after one of its
+    renewals; A thaws, its write is refused and it writes its lease back given up (an older
+    token's placeholder for the reaper); then B returns and writes, before its next renewal.
+    B's write finds the older token's lease where its own was: it writes its lease back over it
+    (the newer token wins) and stores its result, once. (Before, B's write was refused as
+    stale, B stored nothing, and the reaper ran the task a third time a TTL later.)"""
+    cluster.settings["fenced_lease_ttl"] = 8
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    result = app.flushes_when_told.delay()
+    task_id = result.id
+    [a] = cluster.wait_runs(task_id, 1)
+    cluster.worker("w2", concurrency=1, fenced_heartbeat_interval=3.5)  # B's next renewal: seconds away
+    cluster.beat()
+    w1.signal_group(signal.SIGSTOP)
+    try:
+        cluster.record.set(f"finish:{task_id}:1", 1)  # A returns as soon as it runs again
+        b = cluster.wait_runs(task_id, 2, timeout=40)[1]
+        assert b["hostname"].startswith("w2@") and b["token"] > a["token"]
+        cluster.record.set(f"flush:{task_id}", 1)
+        wait_until(lambda: cluster.record.exists(f"flushed:{task_id}"), 20, "B's flush")
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    wait_until(lambda: "write dropped" in w1.log() or stored(cluster, task_id) is not None, 10, "A's write")
+    assert stored(cluster, task_id) is None, "the thawed owner's result was stored"
+    # A's heartbeat (its next tick, within half a second) writes its lease back given up.
+    placeholder = wait_until(lambda: lease(cluster, task_id).get("lapseReason"), 3, "A's write-back")
+    assert placeholder == "data-lost" and lease(cluster, task_id)["ownerToken"] == str(a["token"])
+    cluster.record.set(f"finish:{task_id}:2", 1)  # B writes before its next renewal
+    value = f"owner {b['token']}"
+    assert result.get(timeout=30) == value
+    meta = stored(cluster, task_id)
+    assert meta is not None and meta["fence_token"] == b["token"]
+    assert len(cluster.runs(task_id)) == 2
+
+
 def test_a_lone_owner_frozen_across_a_flushdb_gives_its_task_up_and_the_task_finishes(cluster: Cluster) -> None:
     """The task's only owner is frozen (its whole worker: nothing claims its expired lease), and
     the store is flushed. Thawed, its heartbeat renews first and finds its lease gone; it may not

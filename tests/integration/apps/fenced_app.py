@@ -1075,3 +1075,27 @@ def lost_before_its_end(self: Any, kind: str) -> Any:
             raise self.retry(countdown=0.2)
         return f"retried {self.request.retries}"
     return self.replace(group(replacement_step.si(origin, "fenced"), plain_replacement_step.si(origin, "plain")))
+
+
+@app.task(bind=True, base=ProgressLeasedTask, interrupt_on_loss=False)
+def flushes_when_told(self: Any) -> str:
+    """Each attempt holds, progressing, until the test sets ``finish:<id>:<attempt>``, and returns
+    the value of its owner's token. A second attempt, once the test sets ``flush:<id>``, flushes
+    the lease store (FLUSHDB) right after a renewal of its own lease, so its next renewal is a
+    heartbeat interval away, and says so (``flushed:<id>``)."""
+    note_run(self)
+    self.progress("slow-stage")
+    origin = self.request.id
+    key = f"finish:{origin}:{attempt_number(self)}"
+    if attempt_number(self) == 2:
+        wait_for_key(f"flush:{origin}", 60)
+        lease_key = self.backend.lease_store.keys.lease(origin)
+        renewed = self.backend.client.hget(lease_key, "heartbeatAt")
+        deadline = time.monotonic() + 30
+        while self.backend.client.hget(lease_key, "heartbeatAt") == renewed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.backend.client.flushdb()
+        record().set(f"flushed:{origin}", 1)
+    while not record().exists(key):
+        time.sleep(0.05)
+    return f"owner {self.fencing_token}"

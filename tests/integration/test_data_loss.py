@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import signal
+import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 from celery import chain
 
+from celery_fenced._celery.headers import PUBLISH_ID_HEADER
 from tests.integration.conftest import Cluster, lease, stored
+from tests.integration.test_hand_off_and_forget import delivered_again
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer, default_binary
 
@@ -295,3 +298,46 @@ def test_a_lone_owner_frozen_across_a_flushdb_gives_its_task_up_and_the_task_fin
 def server_ms(cluster: Cluster) -> int:
     seconds, micros = cluster.results.time()
     return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_forget_after_a_flushdb_keeps_a_thawed_owner_and_a_late_copy_from_running_the_task_again(
+    cluster: Cluster,
+) -> None:
+    """``forget()`` after a loss. A is frozen and taken over by B; the store is flushed; B writes
+    its lease back (with its run's publish id) and finishes; the client gets B's result and
+    forgets it. The forgotten task keeps a DONE tombstone of B's token and run: the thawed A's
+    write is refused as stale (not taken for a lost lease, so A writes nothing back for a
+    takeover), and a late copy of the task's message does not run. The task ran twice (A, B)
+    and B's result was its one result."""
+    cluster.settings["fenced_lease_ttl"] = TTL
+    app = cluster.app()
+    w1 = cluster.worker("w1", concurrency=1)
+    headers = {PUBLISH_ID_HEADER: uuid.uuid4().hex[:16]}  # the original message's, kept by a copy
+    result = app.owner_until_told.apply_async(headers=headers)
+    task_id = result.id
+    [a] = cluster.wait_runs(task_id, 1)
+    w2 = cluster.worker("w2", concurrency=1)
+    cluster.beat()
+    w1.signal_group(signal.SIGSTOP)
+    try:
+        cluster.record.set(f"finish:{task_id}:1", 1)  # A returns as soon as it runs again
+        b = cluster.wait_runs(task_id, 2, timeout=30)[1]
+        assert b["hostname"].startswith("w2@") and b["token"] > a["token"]
+        cluster.results.flushdb()  # B's lease, the token counter, the index: gone
+        wait_until(lambda: lease(cluster, task_id).get("ownerToken") == str(b["token"]), 10, "B's lease back")
+        cluster.record.set(f"finish:{task_id}:2", 1)
+        assert result.get(timeout=20) == f"owner {b['token']}"
+        result.forget()
+        assert stored(cluster, task_id) is None
+        tombstone = lease(cluster, task_id)
+        assert tombstone["status"] == "DONE" and tombstone["ownerToken"] == str(b["token"])
+        assert tombstone.get("publishId") == headers[PUBLISH_ID_HEADER] and "forgottenAt" in tombstone
+    finally:
+        w1.signal_group(signal.SIGCONT)
+    wait_until(lambda: "stale write dropped" in w1.log() or stored(cluster, task_id) is not None, 15, "A's write")
+    assert stored(cluster, task_id) is None, "the thawed owner's result was stored"
+    assert lease(cluster, task_id)["status"] == "DONE"  # nothing written back for a takeover
+    app.owner_until_told.apply_async(task_id=task_id, headers=headers)  # a late copy
+    wait_until(lambda: delivered_again(cluster, w1.log() + w2.log(), task_id, 2), 20, "the late copy to be delivered")
+    assert len(cluster.runs(task_id)) == 2
+    assert stored(cluster, task_id) is None

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from celery import chain
+from celery import chain, chord
+from celery.result import AsyncResult
 
 from celery_fenced._celery.headers import PUBLISH_ID_HEADER
 from tests.integration.conftest import Cluster, lease, stored
@@ -341,3 +342,25 @@ def test_forget_after_a_flushdb_keeps_a_thawed_owner_and_a_late_copy_from_runnin
     wait_until(lambda: delivered_again(cluster, w1.log() + w2.log(), task_id, 2), 20, "the late copy to be delivered")
     assert len(cluster.runs(task_id)) == 2
     assert stored(cluster, task_id) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a FLUSHDB of the result database loses Celery's own chord join state (chord-unlock-<group>.s, "
+    ".j, .t): the chord body is never sent, as in plain Celery; the package keeps no copy of it",
+)
+def test_a_chord_member_replaced_right_after_a_flushdb_completes_its_chord(cluster: Cluster) -> None:
+    """A chord header member replaces itself right after a FLUSHDB. Its owner writes its lease
+    back and hands off once, and the replacement counts the member's part; but Celery's chord
+    size key went with the flush (set when the chord was applied), so the part return never
+    finds the chord complete and the body is never sent: its client waits for ever."""
+    app = cluster.app()
+    cluster.worker("w1", concurrency=2)
+    member = app.lost_before_its_end.s("fenced")
+    task_id = member.freeze().id
+    cluster.record.set(f"flush-before-end:{task_id}", 1)
+    result = chord([member, app.fenced_add.s(1, 2)])(app.collected.s())
+    assert AsyncResult(task_id, app=app.app).get(timeout=20) == "fenced"  # the member: replaced, once
+    runs = [json.loads(x) for x in cluster.record.lrange(f"replacement-runs:{task_id}", 0, -1)]
+    assert [run["name"] for run in runs] == ["fenced"]
+    assert result.get(timeout=20) == ["fenced", 3]

@@ -1060,7 +1060,7 @@ def received(self: Any, value: Any) -> Any:
 def lost_before_its_end(self: Any, kind: str) -> Any:
     """Ends by ``kind``: ``"retry"`` (retries once, then returns), ``"group"`` (replaces itself by
     a group of a fenced and a plain step, which Celery makes a chord whose body runs under the
-    task id). With the key ``flush-before-end:<task id>`` set, the lease store is flushed
+    task id), ``"fenced"`` (replaces itself by a fenced step). With the key ``flush-before-end:<task id>`` set, the lease store is flushed
     (FLUSHDB: every lease, token and result gone) right before, after the heartbeat's last
     renewal: the owner is live, and renewed less than a TTL ago."""
     from celery import group
@@ -1074,6 +1074,8 @@ def lost_before_its_end(self: Any, kind: str) -> Any:
         if self.request.retries == 0:
             raise self.retry(countdown=0.2)
         return f"retried {self.request.retries}"
+    if kind == "fenced":
+        return self.replace(replacement_step.si(origin, "fenced"))
     return self.replace(group(replacement_step.si(origin, "fenced"), plain_replacement_step.si(origin, "plain")))
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "SEND_AGAIN_MAX_DELAY",
     "SENT_AGAIN_HEADER",
     "acquire",
+    "again_if_vanished",
     "hand_back",
     "hand_off",
     "heartbeat_for",

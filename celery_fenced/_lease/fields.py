@@ -121,6 +121,7 @@ _FIELDS = (
     LeaseField("resends", "int", "re-sends of a message that still waits, since the last acquire"),
     LeaseField("abandonCause", "text", "the claim cause that exhausted the takeovers"),
     LeaseField("restoredAt", "time", "when its owner wrote back a lease that had vanished (Redis restart)"),
+    LeaseField("primary", "text", "the server (replication id) it was acquired or written back on"),
     LeaseField("finishedAt", "time", "when the task ended (DONE or ABANDONED)"),
     LeaseField("resultState", "text", "the READY state stored with it (a late copy of it is refused)"),
     LeaseField("successKept", "int", "1: a SUCCESS of an earlier run is kept while the task runs again"),

@@ -16,7 +16,8 @@
 --                                       owner's lease written back given up after the
 --                                       store lost it (lapseReason "data-lost"), and for
 --                                       a live lease of an older token or a reservation
---                                       where the owner's was (written after the loss)
+--                                       where the owner's was (written after the loss), and
+--                                       for its own lease come back (came_back())
 -- publish_progress(key, stored_version, now, stage, version, age_ms, details)
 --                                       write an owner's progress: progressVersion,
 --                                       lastProgressAt (server time minus the age the owner
@@ -32,6 +33,15 @@
 -- this_primary()                        this server's replication id (master_replid) and
 --                                       how many replicas it has connected; a promoted
 --                                       replica, and a restarted server, take a new id
+-- came_back(expire_at, primary, now)    true when an owner's RUNNING lease has run out (its
+--                                       leaseExpireAt) on another server than the one it was
+--                                       acquired or written back on (its primary, a
+--                                       replication id; nil for a lease that recorded none):
+--                                       a failover or a restart that kept the data may have
+--                                       lost a claim of it and a newer owner's acquire, so the
+--                                       owner's call is answered as if the lease were missing
+--                                       (it gets it back only under restore.lua's rule);
+--                                       now: the server's clock in ms, read when nil
 -- in_token_epoch(epoch_key)             true when the token epoch was begun and confirmed
 --                                       on this server (begin_epoch.lua): only then may a
 --                                       script hand out a token
@@ -74,6 +84,13 @@ local function this_primary()
   return string.match(info, 'master_replid:(%x+)'), tonumber(string.match(info, 'connected_slaves:(%d+)') or '0')
 end
 
+local function came_back(expire_at, primary, now)
+  if not primary or tonumber(expire_at or '0') >= (now or now_ms()) then
+    return false
+  end
+  return primary ~= this_primary()
+end
+
 local function in_token_epoch(epoch_key)
   local epoch = redis.call('GET', epoch_key)
   -- A plain find: the replication id and the line's end, without a pattern's cost.
@@ -105,7 +122,7 @@ local function write_result(key, meta, expires_ms)
 end
 
 local function owner_refusal(key, owner_id, token)
-  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId', 'lapseReason')
+  local cur = redis.call('HMGET', key, 'status', 'ownerToken', 'ownerId', 'lapseReason', 'leaseExpireAt', 'primary')
   if not cur[1] then
     return 'missing', nil
   elseif cur[2] ~= token and cur[1] ~= 'DONE' and cur[1] ~= 'ABANDONED' and cur[1] ~= 'HANDED_OFF'
@@ -122,6 +139,10 @@ local function owner_refusal(key, owner_id, token)
     -- Its own lease, written back given up after the store lost it (restore.lua, "lapsed"),
     -- and perhaps claimed or put back since: a placeholder for the reaper, not a lease the
     -- owner holds (a newer owner's may have gone with it): nothing of the owner's lands on it.
+    return 'missing', cur[1]
+  elseif (cur[1] == 'RUNNING' or cur[1] == 'STALLED') and came_back(cur[5], cur[6]) then
+    -- Its own lease, run out and come back with a failover (or a restart that kept the data)
+    -- that may have lost a claim and a newer owner's lease: as missing.
     return 'missing', cur[1]
   end
   return nil, cur[1]

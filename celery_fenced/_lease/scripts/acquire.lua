@@ -56,6 +56,9 @@
 if not in_token_epoch(KEYS[4]) then
   return 'new-epoch'
 end
+-- The server the lease is acquired on (its epoch: its replication id): a lease that runs out
+-- on another server may have come back with a failover (_lib.lua's came_back).
+local primary = redis.call('GET', KEYS[4])
 
 local now_arg = now_ms_text()
 local now = tonumber(now_arg)
@@ -73,7 +76,7 @@ if found == 0 and ARGV[4] ~= '' and publish_id ~= '' then
   redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', int_arg(token),
     'currentStage', ARGV[6], 'progressVersion', '0', 'heartbeatAt', now_arg, 'lastProgressAt', now_arg,
     'leaseExpireAt', expire_arg, 'leaseTtl', ARGV[2], 'taskName', ARGV[3], 'maxTakeovers', ARGV[5],
-    'call', ARGV[4], 'publishId', publish_id, 'attempt', '1', 'takeovers', '0')
+    'call', ARGV[4], 'publishId', publish_id, 'attempt', '1', 'takeovers', '0', 'primary', primary)
   redis.call('ZADD', KEYS[3], expire_arg, KEYS[1])
   if ARGV[9] then
     local started, expires = ARGV[9] .. ', "fence_token": ' .. int_arg(token) .. '}', tonumber(ARGV[10])
@@ -113,7 +116,8 @@ local function owner_fields(token)
     'leaseExpireAt', expire_arg,
     'leaseTtl', ARGV[2],
     'taskName', ARGV[3],
-    'maxTakeovers', ARGV[5]}
+    'maxTakeovers', ARGV[5],
+    'primary', primary}
   if ARGV[4] ~= '' then
     fields[#fields + 1] = 'call'
     fields[#fields + 1] = ARGV[4]

@@ -21,6 +21,10 @@
 -- any other. A live lease of an older token, or a reservation (no token), answers "missing"
 -- to a newer token: tokens are handed out in order, so such a lease was written after the
 -- store lost the newer owner's (data loss), which the owner then writes back (restore.lua).
+-- So does the owner's own lease once it has run out on another server than the one it was
+-- acquired or written back on (came_back(): a failover, or a restart that kept the data, may
+-- have lost a claim of it and a newer owner's acquire): the renewal past the expiry is
+-- accepted only where no claim can have been lost.
 --
 -- Returns one code per lease: "ok" | "stale-token" | "not-owner" | "claimed" (REQUEUED or
 --   ABANDONED) | "lapsed" (given up) | "finished" (DONE, HANDED_OFF) | "cancelled" (DONE by a cancel) |
@@ -34,7 +38,8 @@ for i = 2, #KEYS do
   local stage, version, age = ARGV[base + 4], tonumber(ARGV[base + 5]), tonumber(ARGV[base + 6])
   local keep, details = ARGV[base + 7], ARGV[base + 8]
   local lease = KEYS[i]
-  local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion', 'cancelledAt')
+  local cur = redis.call('HMGET', lease, 'status', 'ownerToken', 'ownerId', 'progressVersion', 'cancelledAt',
+    'leaseExpireAt', 'primary')
   local status = cur[1]
   local code
   if not status then
@@ -58,6 +63,8 @@ for i = 2, #KEYS do
     code = 'missing'
   elseif cur[3] ~= owner then
     code = 'not-owner'
+  elseif (status == 'RUNNING' or status == 'STALLED') and came_back(cur[6], cur[7], now) then
+    code = 'missing'
   elseif status == 'RUNNING' or status == 'STALLED' then
     code = 'ok'
     local expire_arg = int_arg(now + ttl)

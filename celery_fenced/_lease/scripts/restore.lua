@@ -49,16 +49,24 @@
 --
 -- An owner whose own lease is there, RUNNING with its token (it asks again: its reply was
 -- lost to a connection error, and the client sent it again), is answered "restored", nothing
--- written, not "exists" (which would make it give up a lease it holds).
+-- written, not "exists" (which would make it give up a lease it holds). Unless that lease ran
+-- out on another server than the one it was acquired or written back on (came_back(): a
+-- failover or a restart that kept the data, which may have lost a claim of it and a newer
+-- owner's acquire): then it is written again under the rule above, as a vanished one, and a
+-- thawed owner gets "expired".
 local lapsed = ARGV[11] == 'lapsed'
 local replaced = false
+local mine = false
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local cur = redis.call('HMGET', KEYS[1], 'ownerId', 'ownerToken', 'status')
-  if cur[1] == ARGV[1] and cur[2] == ARGV[2] and cur[3] == 'RUNNING' then
+  local cur = redis.call('HMGET', KEYS[1], 'ownerId', 'ownerToken', 'status', 'leaseExpireAt', 'primary')
+  mine = cur[1] == ARGV[1] and cur[2] == ARGV[2] and (cur[3] == 'RUNNING' or cur[3] == 'STALLED')
+  if mine and not came_back(cur[4], cur[5]) then
     return {'restored'}
   end
-  if lapsed or cur[3] == 'DONE' or cur[3] == 'ABANDONED' or cur[3] == 'HANDED_OFF'
-      or tonumber(cur[2] or '0') >= tonumber(ARGV[2]) then
+  -- Its own lease run out and come back with a failover (came_back()) is written again under
+  -- the rule below, as a vanished one: a claim of it and a newer owner's may have been lost.
+  if lapsed or (not mine and (cur[3] == 'DONE' or cur[3] == 'ABANDONED' or cur[3] == 'HANDED_OFF'
+      or tonumber(cur[2] or '0') >= tonumber(ARGV[2]))) then
     return {'exists'}
   end
   -- An older token's lease, or a reservation (no token): written after the store lost this
@@ -76,7 +84,7 @@ end
 if not lapsed and tonumber(ARGV[10]) >= tonumber(ARGV[3]) then
   return {'expired'}
 end
-if replaced then
+if replaced and not mine then
   redis.call('DEL', KEYS[1])
 end
 local now = now_ms()
@@ -95,7 +103,7 @@ local expire_at = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'ownerId', ARGV[1], 'ownerToken', token,
   'leaseTtl', ARGV[3], 'taskName', ARGV[4], 'attempt', ARGV[6], 'takeovers', ARGV[7],
   'maxTakeovers', ARGV[8], 'currentStage', ARGV[9], 'progressVersion', 0, 'heartbeatAt', now,
-  'lastProgressAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now)
+  'lastProgressAt', now, 'leaseExpireAt', expire_at, 'restoredAt', now, 'primary', (this_primary()))
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[1], 'call', ARGV[5])
 end

@@ -59,7 +59,8 @@
 --               (fence_of()) that refuses it: its lease vanished (data loss), and a newer
 --               owner's may have vanished with it; or finds its own lease written back given
 --               up after that (lapseReason "data-lost"), or a live lease of an older token or
---               a reservation where its own was (written after the loss). Nothing written;
+--               a reservation where its own was (written after the loss), or its own lease run
+--               out and come back with a failover (came_back()). Nothing written;
 --               the owner writes its lease back (restore.lua) and asks again, or stores nothing
 --   "lapsed"    a tokenless WorkerLostError (or cancel) of the current owner: nothing
 --               written, the lease is LAPSED so the reaper takes the task over at once; of
@@ -79,7 +80,8 @@
 local token, meta, state, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local expires = tonumber(ARGV[5])
 
-local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept', 'takeovers', 'lapseReason')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'ownerToken', 'ownerId', 'successKept', 'takeovers', 'lapseReason',
+  'leaseExpireAt', 'primary')
 local status = cur[1]
 
 if status == 'DONE' and token ~= '' and cur[2] == token
@@ -144,6 +146,13 @@ if token ~= '' then
     -- it, and that owner writes its own back within the TTL this one waits. It is a
     -- placeholder for the reaper, not a lease the owner holds: its write is refused as its
     -- vanished lease's was.
+    return {'missing', ''}
+  end
+  if (status == 'RUNNING' or status == 'STALLED') and came_back(cur[7], cur[8]) then
+    -- The owner's own lease, run out, on another server than the one it was acquired or
+    -- written back on (a failover, a restart that kept the data): the claim of it and a newer
+    -- owner's acquire may have been lost with the old server. As missing: the owner gets it
+    -- back only under restore.lua's rule (a thawed owner never does).
     return {'missing', ''}
   end
 else

@@ -55,9 +55,11 @@ def test_first_acquire_takes_token_and_writes_every_field(
         "takeovers",
         "taskName",
         "maxTakeovers",
+        "primary",
         *(("call", "publishId") if publish_id else ()),
     }
     assert state.raw.get("publishId") == (publish_id or None)
+    assert state.raw["primary"] == redis_client.info("replication")["master_replid"]  # the server it was taken on
 
 
 def test_live_lease_makes_a_second_delivery_a_duplicate(store: LeaseStore) -> None:

@@ -28,6 +28,8 @@ def test_a_script_gets_only_the_library_functions_it_calls() -> None:
     assert defined("store") == {
         "now_ms_text",
         "now_ms",
+        "came_back",
+        "this_primary",
         "int_arg",
         "write_result",
         "fence_of",

@@ -23,7 +23,7 @@ from celery_fenced._lease.tokens import EPOCH_WAIT_MS
 from tests.support.processes import wait_until
 from tests.support.redis_server import RedisServer, default_binary
 from tests.support.replication import HoldingProxy
-from tests.unit.lease.helpers import acquire
+from tests.unit.lease.helpers import acquire, renew_req
 
 KEYS = KeySpace.build("fenced", "celery-task-meta-")
 
@@ -261,3 +261,87 @@ def test_an_epoch_its_replica_did_not_take_in_time_is_said_and_tokens_go_on(
         assert tokens(store, "a", 1)[0] > clock
     assert f"reached 0 of 1 replicas within {EPOCH_WAIT_MS} ms" in caplog.text
     store.close()
+
+
+def test_a_thawed_owner_whose_lease_came_back_with_a_failover_does_not_store(replicated: Replicated) -> None:
+    """A owns the task and freezes; its lease expires, the reaper claims it and B acquires, on a
+    primary that then dies before its replica received either write; the replica is promoted.
+    The promoted server holds A's own lease, RUNNING with A's token, expired, no claim visible:
+    A, thawed past a TTL, may not have it back (B is live). Its lease ran out on another server
+    than the one it was acquired on (its ``primary``), so its renewal and its write are answered
+    as on a vanished lease (``missing``), and its write-back is refused (``expired``); B, live,
+    writes its own lease back over A's and stores its result. (Before, A's renewal and write
+    were accepted, as for a lease nobody claimed, and A's stale result was stored.)"""
+    primary = LeaseStore(replicated.client(replicated.primary), KEYS)
+    a = acquire(primary, "t1", "host/1/a", ttl=200)
+    replicated.caught_up(replicated.primary, replicated.replica)
+    replicated.proxy.hold()  # nothing more reaches the replica
+    primary_client = replicated.client(replicated.primary)
+    wait_until(
+        lambda: server_us(primary_client) // 1000 > int(primary_client.hget(KEYS.lease("t1"), "leaseExpireAt")),
+        5,
+        "A's expiry",
+    )
+    [claimed] = primary.claim_due(["t1"], grace_ms=0, requeue_ms=60_000, abandoned_meta=lambda *_: b"", expires_ms=0)
+    assert claimed.code == "requeued"
+    b = acquire(primary, "t1", "host/2/b", ttl=60_000)
+    assert b.token > a.token
+    kill(replicated.primary)
+    promoted_client = replicated.client(replicated.replica)
+    promoted_client.replicaof("NO", "ONE")  # what Sentinel does
+    promoted = LeaseStore(promoted_client, KEYS)
+    lease = promoted.read("t1")
+    assert lease is not None and lease.owner_token == a.token and lease.status == "RUNNING"  # A's, come back
+    a_state = promoted.read("t1")
+    assert a_state is not None
+    assert promoted.renew_many([renew_req(a_state, "host/1/a")]) == ["missing"]
+    meta = f'{{"status": "SUCCESS", "result": "A", "fence_token": {a.token}}}'.encode()
+    write = promoted.store("t1", a.token, meta, state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
+    assert write.code == "missing", "the thawed owner's result was stored"
+    assert promoted.hand_off("t1", "host/1/a", a.token) == "missing"
+    assert restore_as(promoted, "host/1/a", a.token, ttl_ms=200, age_ms=5_000) == "expired"  # thawed: never back
+    # B, live (renewed a moment ago), finds A's older lease where its own was: it writes its own back.
+    assert restore_as(promoted, "host/2/b", b.token, ttl_ms=60_000, age_ms=500) == "restored"
+    meta = f'{{"status": "SUCCESS", "result": "B", "fence_token": {b.token}}}'.encode()
+    stored = promoted.store("t1", b.token, meta, state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/2/b")
+    assert stored.code == "stored"
+    late = promoted.store("t1", a.token, b"late", state="SUCCESS", kind="ready", expires_ms=0, owner_id="host/1/a")
+    assert late.code == "stale"
+    primary.close()
+    promoted.close()
+
+
+def restore_as(store: LeaseStore, owner: str, token: int, *, ttl_ms: int, age_ms: int) -> str:
+    """An owner's write-back of its lease (restore.lua), its last renewal ``age_ms`` ago."""
+    return store.restore(
+        "t1", owner, token, ttl_ms=ttl_ms, task_name="proj.task", call={}, attempt=1, takeovers=0,
+        max_takeovers=3, renewal_age_ms=age_ms,
+    )  # fmt: skip
+
+
+def test_a_live_owner_whose_lease_ran_out_during_a_failover_writes_it_back_and_renews(
+    replicated: Replicated,
+) -> None:
+    """The owner is live: its lease ran out while Sentinel moved the primary (its renewals could
+    not reach a server), and it renewed less than a TTL ago on its own clock. Its renewal on the
+    promoted server is answered as for a vanished lease, and its write-back puts it back as its
+    own, on the new server, keeping what the lease held (its details): it goes on."""
+    primary = LeaseStore(replicated.client(replicated.primary), KEYS)
+    a = acquire(primary, "t1", "host/1/a", ttl=200)
+    replicated.client(replicated.primary).hset(KEYS.lease("t1"), "details", '{"row": 7}')
+    replicated.caught_up(replicated.primary, replicated.replica)
+    kill(replicated.primary)
+    promoted_client = replicated.client(replicated.replica)
+    promoted_client.replicaof("NO", "ONE")
+    promoted = LeaseStore(promoted_client, KEYS)
+    state = promoted.read("t1")
+    assert state is not None
+    wait_until(lambda: server_us(promoted_client) // 1000 > (state.lease_expire_at or 0), 5, "the lease to run out")
+    assert promoted.renew_many([renew_req(state, "host/1/a", ttl_ms=200)]) == ["missing"]
+    assert restore_as(promoted, "host/1/a", a.token, ttl_ms=200, age_ms=100) == "restored"
+    back = promoted.read("t1")
+    assert back is not None and back.owner_token == a.token and back.status == "RUNNING"
+    assert back.raw["primary"] == replid(promoted_client) and back.details == {"row": 7}
+    assert promoted.renew_many([renew_req(back, "host/1/a", ttl_ms=200)]) == ["ok"]
+    primary.close()
+    promoted.close()

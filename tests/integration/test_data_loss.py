@@ -4,7 +4,10 @@ stale owner never wins, on real workers.
 The review's sequence: owner A is frozen (SIGSTOP) in the body, its lease lapses, owner B
 takes the task over; then the lease store loses everything, and A thaws and returns before
 B's next renewal. Judged by what was stored: A's write refused, B's result stored, the
-chain's next step run once, with B's value.
+chain's next step run once, with B's value. Then the same on the threads pool (several
+owners of one process); B's write before its next renewal, over A's lease given up; a lone
+frozen owner; a retry, a replace() by a group and a forget() right after a FLUSHDB; and, as a
+strict xfail, a chord member replaced right after one (Celery's chord state is lost with it).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def lease_row(state: LeaseState, now_ms: int) -> dict[str, Any]:
     reserved = state.status == "RESERVED"
     # After a cancel the hash's ownerToken is the cancel's: the owner's is shown as the token.
     cancelled = state.raw.get("cancelledAt") is not None
-    owner_token = state.owner_token
+    owner_token: int | None = state.owner_token
     if cancelled:
         kept = state.raw.get("cancelledOwnerToken")
         owner_token = int(kept) if kept is not None and str(kept).isdigit() else None

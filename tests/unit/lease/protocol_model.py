@@ -619,6 +619,10 @@ class ProtocolModel:
             pass  # its own lease written back given up after the store lost it: nothing stored
         elif self.current(owner) and code != "sticky":  # sticky: Celery's rule kept a stored SUCCESS
             self.violated("model-mismatch", f"{where}: the current owner's write was refused")
+        elif task.status in HELD and owner.token > task.fence and code != "missing":
+            # An older token's lease, or a copy's reservation, where this owner's was (the store
+            # lost this one's): not this owner's refusal. "missing": it writes its own back first.
+            self.violated("model-mismatch", f"{where}: expected missing (an older token's lease in its place)")
         elif task.status in FINAL and owner.token < task.fence and code != "stale":
             # A newer token ended it (its result's fence, its tombstone): an older owner's
             # write is stale, which the owner reads as taken over ("missing" would make it

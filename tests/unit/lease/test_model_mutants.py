@@ -195,10 +195,13 @@ MUTANTS = [
         "if false and status ~= 'DONE' and status ~= 'ABANDONED' and status ~= 'HANDED_OFF'",
         (
             ("deliver", {"task_id": "t1"}),
+            ("runs_out_and_claim", {"task_id": "t1"}),
             ("flushdb", {}),
-            ("receive", {"task_id": "t1"}),
-            ("write", {"owner": OWNER + "0", "state": "SUCCESS"}),
+            ("restore", {"owner": OWNER + "0", "lapsed": True}),
+            ("write", {"owner": OWNER + "1", "state": "SUCCESS"}),
         ),
+        machine=ThroughTheHoles,
+        tolerate="stale-restore,live-lease-not-newest",
     ),
     Mutant(
         "reserve-copy-from-before-handoff",

@@ -42,9 +42,10 @@
 --                                       owner's call is answered as if the lease were missing
 --                                       (it gets it back only under restore.lua's rule);
 --                                       now: the server's clock in ms, read when nil
--- in_token_epoch(epoch_key)             true when the token epoch was begun and confirmed
---                                       on this server (begin_epoch.lua): only then may a
---                                       script hand out a token
+-- in_token_epoch(epoch_key)             the epoch (this server's replication id) when the
+--                                       token epoch was begun and confirmed on this server
+--                                       (begin_epoch.lua), else nil: only then may a script
+--                                       hand out a token
 -- fence_of(meta)                        a finished lease's compact form: the token, the run
 --                                       ("<publish id>/<attempt>/<takeovers>") and the state
 --                                       of a READY result whose meta ends with its fence
@@ -94,7 +95,10 @@ end
 local function in_token_epoch(epoch_key)
   local epoch = redis.call('GET', epoch_key)
   -- A plain find: the replication id and the line's end, without a pattern's cost.
-  return epoch and string.find(redis.call('INFO', 'replication'), 'master_replid:' .. epoch .. '\r\n', 1, true) ~= nil
+  if epoch and string.find(redis.call('INFO', 'replication'), 'master_replid:' .. epoch .. '\r\n', 1, true) then
+    return epoch
+  end
+  return nil
 end
 
 local function int_arg(n)

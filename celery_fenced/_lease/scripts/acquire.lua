@@ -53,12 +53,12 @@
 --   "handed-off" the task id was handed to a replacement, and this is not its message: do
 --                not run
 
-if not in_token_epoch(KEYS[4]) then
-  return 'new-epoch'
-end
 -- The server the lease is acquired on (its epoch: its replication id): a lease that runs out
 -- on another server may have come back with a failover (_lib.lua's came_back).
-local primary = redis.call('GET', KEYS[4])
+local primary = in_token_epoch(KEYS[4])
+if not primary then
+  return 'new-epoch'
+end
 
 local now_arg = now_ms_text()
 local now = tonumber(now_arg)

@@ -542,7 +542,6 @@ UNMUTATED = {
     ("_lib", "elseif cur[2] ~= token then"): "owner_refusal: the ownerId check after it refuses every other "
     "token too (an owner id is one execution's, with one token)",
     ("_lib", "if not token then"): "fence_of: no fence in the meta (a parse, not a guard)",
-    ("acquire", "if not in_token_epoch(KEYS[4]) then"): "the epoch check: a failover's own tests (test_tokens.py)",
     ("acquire", "if fence then"): "a finished result written back as its DONE lease: without it, the "
     "delivery runs as a first one (caught as done-ran-again by acquire-done's paths; kept for the inventory)",
     (

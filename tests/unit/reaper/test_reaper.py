@@ -203,6 +203,9 @@ def test_a_retry_sent_again_is_logged_as_a_retry_not_a_takeover(app: Celery, cap
     owner = store.acquire("r1", "host/1/a", ttl_ms=60_000, task_name="proj.report", max_takeovers=3, call=CALL).state
     stored = store.store("r1", owner.owner_token, b"r", state="RETRY", kind="retry", expires_ms=0, retry_due_ms=1)
     assert str(stored.code) == "stored"
+    # Its due time passes on the server's clock (the claim re-checks it there): a due time 1 ms
+    # ahead was still ahead when the claim ran within the same millisecond.
+    store.client.hset(store.keys.lease("r1"), "leaseExpireAt", store.server_time_ms() - 1)
     with caplog.at_level(logging.WARNING, logger="celery_fenced.reaper"):
         report = reap(app, now=store.server_time_ms() / 1000 + 5)
     assert report.requeued == ["r1"]
